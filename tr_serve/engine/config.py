@@ -1,0 +1,32 @@
+"""Engine configuration, validated once when the engine is built."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """``tree`` is a template name (``2.2.2``, ``top8``, ...), a JSON file of paths, or ``none``
+    for plain decoding through the same runner."""
+
+    model: str = "smollm2-135m-instruct"
+    tree: str = "2.2.2"
+    k: int = 8
+    max_num_seqs: int = 8
+    max_model_len: int = 2048
+    device: str = "cpu"
+    dtype: str = "auto"
+    prompt_seeding: bool = False
+
+    def __post_init__(self) -> None:
+        if self.k < 1:
+            raise ValueError(f"k must be >= 1, got {self.k}")
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_model_len < 2:
+            raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
+
+    @property
+    def speculative(self) -> bool:
+        return self.tree.lower() not in ("none", "off", "")

@@ -1,0 +1,164 @@
+"""The decoding engine: ``step()`` = schedule -> run the model -> postprocess.
+
+A step either prefills newly admitted requests (one ragged forward) or verifies one draft tree per
+running request (one forward for the whole batch). Token Recycling lives in ``tr_serve.tr``; this
+file only wires it to the runner and to the requests' stop rules.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import deque
+
+import torch
+
+from tr_serve.engine.config import EngineConfig
+from tr_serve.engine.detokenizer import IncrementalDetokenizer
+from tr_serve.engine.request import FinishReason, Request, RequestOutput
+from tr_serve.engine.stopping import append_token
+from tr_serve.engine.timing import PhaseTimer
+from tr_serve.model_loader import LoadedModel
+from tr_serve.runner.model_runner import ModelRunner
+from tr_serve.sampling_params import SamplingParams
+from tr_serve.tr.matrix import AdjacencyMatrix
+from tr_serve.tr.proposer import propose
+from tr_serve.tr.tree import CompiledTree, compile_tree, load_template
+from tr_serve.tr.verifier import accept_greedy
+
+_ids = itertools.count()
+
+
+class PromptTooLongError(ValueError):
+    """The prompt can never fit in ``max_model_len``."""
+
+
+class Engine:
+    def __init__(self, loaded: LoadedModel, config: EngineConfig, matrix: AdjacencyMatrix | None = None,
+                 timer: PhaseTimer | None = None):
+        self.config = config
+        self.tokenizer = loaded.tokenizer
+        self.eos_ids = frozenset(loaded.eos_token_ids)
+        self.tree: CompiledTree | None = None
+        if config.speculative:
+            name, paths = load_template(config.tree, config.k)
+            self.tree = compile_tree(paths, name=name)
+        scratch = (self.tree.num_nodes if self.tree else 0) + 1
+        self.runner = ModelRunner(loaded.model, config.max_num_seqs, config.max_model_len + scratch)
+        vocab = loaded.model.config.vocab_size
+        self.matrix = matrix if matrix is not None else AdjacencyMatrix(vocab, config.k, device=self.runner.device)
+        self.timer = timer or PhaseTimer(self.runner.device, enabled=False)
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.free_rows: list[int] = list(range(config.max_num_seqs))
+        self._by_id: dict[str, Request] = {}
+
+    # ---- requests -------------------------------------------------------------------------
+    def add_request(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None) -> str:
+        if len(prompt_ids) == 0:
+            raise ValueError("the prompt is empty")
+        if len(prompt_ids) >= self.config.max_model_len:
+            raise PromptTooLongError(
+                f"the prompt has {len(prompt_ids)} tokens; max_model_len is {self.config.max_model_len} "
+                "and at least one token must be generated"
+            )
+        request_id = request_id or f"req-{next(_ids)}"
+        if request_id in self._by_id:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        req = Request(request_id, list(prompt_ids), params, IncrementalDetokenizer(self.tokenizer))
+        req.stats.prompt_tokens = len(prompt_ids)
+        self.waiting.append(req)
+        self._by_id[request_id] = req
+        return request_id
+
+    def abort(self, request_id: str) -> None:
+        req = self._by_id.get(request_id)
+        if req is None or req.finished:
+            return
+        req.finish_reason = FinishReason.ABORT
+        if req in self.waiting:
+            self.waiting.remove(req)
+            self._by_id.pop(request_id, None)
+        # a running request is retired at the next step
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # ---- one step -------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        self._retire([r for r in self.running if r.finished])
+        if self.waiting and self.free_rows:
+            batch = self._admit()
+            self._prefill(batch)
+        elif self.running:
+            batch = list(self.running)
+            self._decode(batch)
+        else:
+            return []
+        outputs = [r.take_output() for r in batch]
+        self._retire([r for r in batch if r.finished])
+        return outputs
+
+    def _admit(self) -> list[Request]:
+        batch = []
+        while self.waiting and self.free_rows:
+            req = self.waiting.popleft()
+            req.row = self.free_rows.pop(0)
+            batch.append(req)
+        self.running.extend(batch)
+        return batch
+
+    def _retire(self, done: list[Request]) -> None:
+        for req in done:
+            if req in self.running:
+                self.running.remove(req)
+                self.runner.free(req.row)
+                self.free_rows.append(req.row)
+                self.free_rows.sort()
+            self._by_id.pop(req.request_id, None)
+
+    def _prefill(self, batch: list[Request]) -> None:
+        rows = torch.tensor([r.row for r in batch])
+        seeding = self.tree is not None and self.config.prompt_seeding
+        with self.timer.phase("forward"):
+            last_logits, every = self.runner.prefill(rows, [r.prompt_ids for r in batch], all_positions=seeding)
+        first = last_logits.argmax(dim=-1).tolist()
+        if self.tree is not None:
+            with self.timer.phase("recycle"):
+                for i, req in enumerate(batch):
+                    if seeding:
+                        self.matrix.recycle(torch.tensor(req.prompt_ids), every[i])
+                    else:
+                        self.matrix.recycle(torch.tensor(req.prompt_ids[-1:]), last_logits[i : i + 1])
+        with self.timer.phase("postprocess"):
+            for req, token in zip(batch, first):
+                append_token(req, token, self.eos_ids, self._context_full(req))
+
+    def _decode(self, batch: list[Request]) -> None:
+        rows = torch.tensor([r.row for r in batch])
+        roots = torch.tensor([r.last_token for r in batch])
+        tree = self.tree or _PLAIN
+        with self.timer.phase("propose"):
+            draft = propose(self.matrix, roots, tree) if tree.num_nodes else roots[:, None]
+        with self.timer.phase("forward"):
+            logits = self.runner.verify(rows, draft, tree.depths, tree.mask)
+        with self.timer.phase("accept"):
+            acceptance = accept_greedy(draft, logits, tree)
+        with self.timer.phase("compact"):
+            self.runner.compact(rows, acceptance.accepted_nodes)
+        if self.tree is not None:
+            with self.timer.phase("recycle"):
+                self.matrix.recycle(draft, logits)
+        with self.timer.phase("postprocess"):
+            for req, emitted in zip(batch, acceptance.emitted):
+                req.stats.accepted_per_step.append(len(emitted))
+                req.stats.tree_nodes_per_step.append(tree.num_nodes)
+                for token in emitted.tolist():
+                    if append_token(req, token, self.eos_ids, self._context_full(req)):
+                        break
+
+    def _context_full(self, req: Request) -> bool:
+        # called before the token is appended: True when that token is the last one that fits
+        return len(req.prompt_ids) + len(req.output_ids) + 1 >= self.config.max_model_len
+
+
+_PLAIN = compile_tree([], name="none")

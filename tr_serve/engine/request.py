@@ -1,0 +1,82 @@
+"""State of one request inside the engine, and what the engine reports about it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+
+from tr_serve.engine.detokenizer import IncrementalDetokenizer
+from tr_serve.sampling_params import SamplingParams
+
+
+class FinishReason(str, Enum):
+    STOP = "stop"  # an EOS token or a stop string
+    LENGTH = "length"  # max_tokens, or the model's context is full
+    ABORT = "abort"
+
+
+@dataclass
+class RequestStats:
+    """Speculation statistics: ``accepted_per_step[i]`` tokens emitted by verification step i."""
+
+    prompt_tokens: int = 0
+    accepted_per_step: list[int] = field(default_factory=list)
+    tree_nodes_per_step: list[int] = field(default_factory=list)
+
+    @property
+    def verification_steps(self) -> int:
+        return len(self.accepted_per_step)
+
+    @property
+    def mat(self) -> float:
+        """Mean accepted tokens per verification step (1.0 for plain decoding)."""
+        return sum(self.accepted_per_step) / max(1, len(self.accepted_per_step))
+
+
+@dataclass(frozen=True)
+class RequestOutput:
+    request_id: str
+    text: str
+    token_ids: list[int]
+    finished: bool
+    finish_reason: FinishReason | None
+    stats: RequestStats
+    new_text: str = ""  # the text delta since the previous output of this request
+    new_token_ids: tuple[int, ...] = ()
+
+
+@dataclass
+class Request:
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    detokenizer: IncrementalDetokenizer
+    output_ids: list[int] = field(default_factory=list)
+    stats: RequestStats = field(default_factory=RequestStats)
+    row: int = -1  # KV cache row while running
+    finish_reason: FinishReason | None = None
+    text: str = ""  # output text, cut at a stop string
+    _sent_chars: int = 0
+    _sent_tokens: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def last_token(self) -> int:
+        return self.output_ids[-1]
+
+    def take_output(self) -> RequestOutput:
+        """The output now, with the text and tokens new since the last call. While running, text
+        that could be the start of a stop string is held back."""
+        visible = len(self.text)
+        if not self.finished and self.params.stop:
+            hold = max(len(s) for s in self.params.stop) - 1
+            visible = max(self._sent_chars, len(self.text) - hold)
+        new_text = self.text[self._sent_chars : visible]
+        new_ids = tuple(self.output_ids[self._sent_tokens :])
+        self._sent_chars, self._sent_tokens = visible, len(self.output_ids)
+        return RequestOutput(self.request_id, self.text if self.finished else self.text[:visible],
+                             list(self.output_ids), self.finished, self.finish_reason, self.stats,
+                             new_text, new_ids)

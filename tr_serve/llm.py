@@ -1,0 +1,52 @@
+"""Offline entry point: ``LLM(model=...).generate(prompts, SamplingParams(...))``."""
+
+from __future__ import annotations
+
+from typing import Sequence, Union
+
+from tr_serve.engine.config import EngineConfig
+from tr_serve.engine.engine import Engine
+from tr_serve.engine.request import RequestOutput
+from tr_serve.model_loader import LoadedModel, load_model
+from tr_serve.sampling_params import SamplingParams
+
+ChatMessages = list[dict[str, str]]
+Prompt = Union[str, ChatMessages, list[int]]
+
+
+def encode_prompt(tokenizer, prompt: Prompt) -> list[int]:
+    """Text is tokenized as is; a list of ``{"role", "content"}`` messages goes through the model's
+    chat template with the assistant turn opened; a list of ints is taken as token ids."""
+    if isinstance(prompt, str):
+        return list(tokenizer(prompt, add_special_tokens=True)["input_ids"])
+    if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
+        return list(prompt)
+    if isinstance(prompt, list) and all(isinstance(m, dict) for m in prompt):
+        ids = tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True, return_dict=False)
+        if isinstance(ids, dict) or hasattr(ids, "keys"):
+            ids = ids["input_ids"]
+        return list(ids)
+    raise TypeError("a prompt is a string, a list of chat messages, or a list of token ids")
+
+
+class LLM:
+    """Loads the model once; the engine (and its adjacency matrix) outlives every generate call."""
+
+    def __init__(self, model: str = "smollm2-135m-instruct", tree: str = "2.2.2", k: int = 8,
+                 loaded: LoadedModel | None = None, **engine_kwargs):
+        self.config = EngineConfig(model=model, tree=tree, k=k, **engine_kwargs)
+        self.loaded = loaded or load_model(model, device=self.config.device, dtype=self.config.dtype)
+        self.tokenizer = self.loaded.tokenizer
+        self.engine = Engine(self.loaded, self.config)
+
+    def generate(self, prompts: Prompt | Sequence[Prompt], params: SamplingParams | None = None) -> list[RequestOutput]:
+        params = params or SamplingParams()
+        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], (dict, int))):
+            prompts = [prompts]
+        ids = [self.engine.add_request(encode_prompt(self.tokenizer, p), params) for p in prompts]
+        final: dict[str, RequestOutput] = {}
+        while self.engine.has_unfinished():
+            for out in self.engine.step():
+                if out.finished:
+                    final[out.request_id] = out
+        return [final[i] for i in ids]

@@ -1,0 +1,103 @@
+"""A preallocated, slot-addressed KV cache that a Hugging Face model writes into.
+
+Every sequence owns one row of a ``[rows, kv_heads, max_len, head_dim]`` buffer per layer and a
+length ``lens[row]``. A forward over ``q`` new tokens of the rows in a step writes them at slots
+``lens[row] .. lens[row] + q - 1``; the caller's 4D mask decides what each query sees, so rows of
+different lengths share one forward without left padding. After verification, :meth:`compact`
+moves the accepted tree nodes' entries next to the prefix, which makes the cache equal to the one
+plain decoding would have built.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+
+class SlotLayer(CacheLayerMixin):
+    """One layer's K/V buffers; writes go where the owning :class:`SlotKVCache` says."""
+
+    is_sliding = False
+
+    def __init__(self, owner: "SlotKVCache", keys: torch.Tensor, values: torch.Tensor):
+        super().__init__()
+        self.owner = owner
+        self.keys = keys  # [rows, kv_heads, max_len, head_dim]
+        self.values = values
+        self.is_initialized = True
+
+    def lazy_initialization(self, key_states, value_states) -> None:  # buffers are preallocated
+        return None
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        # key_states: [b, kv_heads, q, head_dim] for the step's rows, in step order
+        o = self.owner
+        k = key_states.transpose(1, 2)  # [b, q, kv_heads, head_dim]
+        v = value_states.transpose(1, 2)
+        self.keys[o.step_rows_col, :, o.step_slots] = k
+        self.values[o.step_rows_col, :, o.step_slots] = v
+        if o.step_rows_are_prefix:
+            return self.keys[: o.step_num_rows, :, : o.step_kv_len], self.values[: o.step_num_rows, :, : o.step_kv_len]
+        return self.keys[o.step_rows, :, : o.step_kv_len], self.values[o.step_rows, :, : o.step_kv_len]
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.owner.step_kv_len, 0
+
+    def get_seq_length(self) -> int:
+        return int(self.owner.lens.max())
+
+    def get_max_length(self) -> int:
+        return self.owner.max_len
+
+
+class SlotKVCache(Cache):
+    """KV buffers for ``num_rows`` sequences of up to ``max_len`` tokens each."""
+
+    def __init__(self, num_layers: int, num_rows: int, max_len: int, kv_heads: int, head_dim: int,
+                 dtype: torch.dtype, device: torch.device | str):
+        self.num_rows = num_rows
+        self.max_len = max_len
+        self.device = torch.device(device)
+        # one allocation for all layers: [layers, rows, kv_heads, max_len, head_dim]
+        self.k_all = torch.zeros(num_layers, num_rows, kv_heads, max_len, head_dim, dtype=dtype, device=device)
+        self.v_all = torch.zeros_like(self.k_all)
+        self.lens = torch.zeros(num_rows, dtype=torch.long)  # on CPU: small bookkeeping
+        layers = [SlotLayer(self, self.k_all[i], self.v_all[i]) for i in range(num_layers)]
+        super().__init__(layers=layers)
+        self.begin_step(torch.arange(1), 1)
+
+    def begin_step(self, rows: torch.Tensor, q: int) -> torch.Tensor:
+        """Prepare slots for a forward of ``q`` new tokens on ``rows``; returns each row's old length."""
+        rows = rows.to(torch.long).cpu()
+        starts = self.lens[rows]
+        if int(starts.max()) + q > self.max_len:
+            raise ValueError(f"KV cache row overflow: {int(starts.max())} + {q} > max_len {self.max_len}")
+        self.step_rows = rows.to(self.device)
+        self.step_num_rows = len(rows)
+        self.step_rows_are_prefix = bool(torch.equal(rows, torch.arange(len(rows))))
+        self.step_rows_col = self.step_rows[:, None]
+        self.step_slots = (starts[:, None] + torch.arange(q)).to(self.device)  # [b, q]
+        self.step_kv_len = int(starts.max()) + q
+        return starts
+
+    def compact(self, rows: torch.Tensor, keep_offsets: list[torch.Tensor]) -> None:
+        """Keep, for each row, the step's new entries at ``lens[row] + keep_offsets[i]`` (ascending,
+        first is 0) moved to ``lens[row] + 0..len-1``, then advance ``lens``. One gather/scatter per
+        row over all layers at once."""
+        for row, keep in zip(rows.tolist(), keep_offsets):
+            start = int(self.lens[row])
+            n = len(keep)
+            if n == 0:
+                continue
+            contiguous = bool(torch.equal(keep, torch.arange(n)))
+            if not contiguous:
+                src = (keep + start).to(self.device)
+                self.k_all[:, row, :, start : start + n] = self.k_all[:, row, :, src]
+                self.v_all[:, row, :, start : start + n] = self.v_all[:, row, :, src]
+            self.lens[row] = start + n
+
+    def set_length(self, row: int, length: int) -> None:
+        self.lens[row] = length
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return int(self.lens.max())

@@ -1,0 +1,101 @@
+"""Runs the model over a batch of rows of the slot KV cache: ragged prefill and tree verification.
+
+The runner owns the KV cache and knows nothing of drafting or acceptance: it takes tokens, a
+per-query depth (position offset) and an intra-step visibility mask, and returns logits.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tr_serve.runner.kv_cache import SlotKVCache
+
+
+def build_step_mask(starts: torch.Tensor, local: torch.Tensor, kv_len: int, dtype: torch.dtype) -> torch.Tensor:
+    """4D float mask [b, 1, q, kv_len]: row r sees its prefix slots < starts[r] and, among its own
+    new slots starts[r] .. starts[r]+q-1, those allowed by ``local`` [b or 1, q, q]."""
+    b, q = starts.shape[0], local.shape[-1]
+    rel = torch.arange(kv_len)[None, :] - starts[:, None]  # [b, kv_len] slot offset from row start
+    prefix = (rel < 0)[:, None, :]  # [b, 1, kv_len]
+    in_new = (rel >= 0) & (rel < q)
+    idx = rel.clamp(0, q - 1)[:, None, :].expand(b, q, kv_len)
+    new = torch.gather(local.expand(b, q, q), 2, idx) & in_new[:, None, :]  # [b, q, kv_len]
+    visible = prefix | new
+    mask = torch.zeros(b, 1, q, kv_len, dtype=dtype)
+    mask.masked_fill_(~visible[:, None], torch.finfo(dtype).min)
+    return mask
+
+
+class ModelRunner:
+    """Owns the model and its KV cache of ``num_rows`` sequences of at most ``max_len`` tokens."""
+
+    def __init__(self, model: torch.nn.Module, num_rows: int, max_len: int):
+        cfg = model.config
+        self.model = model
+        self.device = next(model.parameters()).device
+        self.dtype = next(model.parameters()).dtype
+        self.vocab_size = cfg.vocab_size
+        self.max_len = max_len
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+        self.cache = SlotKVCache(cfg.num_hidden_layers, num_rows, max_len, kv_heads, head_dim, self.dtype, self.device)
+
+    def length(self, row: int) -> int:
+        return int(self.cache.lens[row])
+
+    def free(self, row: int) -> None:
+        self.cache.set_length(row, 0)
+
+    @torch.inference_mode()
+    def forward(self, rows: torch.Tensor, tokens: torch.Tensor, depths: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+        """Hidden states [b, q, hidden] for ``tokens`` [b, q] at positions lens[row] + depths [b or 1, q]."""
+        q = tokens.shape[1]
+        starts = self.cache.begin_step(rows, q)
+        mask = build_step_mask(starts, local, self.cache.step_kv_len, self.dtype).to(self.device)
+        positions = (starts[:, None] + depths).to(self.device)
+        out = self.model.model(
+            input_ids=tokens.to(self.device), attention_mask=mask, position_ids=positions,
+            cache=self.cache, use_cache=True,
+        )
+        return out.last_hidden_state
+
+    @torch.inference_mode()
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.model.lm_head(hidden).float()
+
+    @torch.inference_mode()
+    def prefill(self, rows: torch.Tensor, prompts: list[list[int]], all_positions: bool = False):
+        """Write the prompts into empty ``rows`` (one right-padded forward).
+
+        Returns (last_logits [b, V], per-row logits at every prompt position or None).
+        """
+        b = len(prompts)
+        lengths = torch.tensor([len(p) for p in prompts])
+        q = int(lengths.max())
+        tokens = torch.zeros(b, q, dtype=torch.long)
+        for i, p in enumerate(prompts):
+            tokens[i, : len(p)] = torch.tensor(p, dtype=torch.long)
+        causal = torch.ones(q, q, dtype=torch.bool).tril()
+        valid = torch.arange(q)[None, :] < lengths[:, None]  # [b, q]
+        local = causal[None] & valid[:, None, :]
+        local = local | torch.eye(q, dtype=torch.bool)[None]  # pad queries see themselves: no empty rows
+        hidden = self.forward(rows, tokens, torch.arange(q)[None], local)
+        last = hidden[torch.arange(b), (lengths - 1).to(self.device)]  # [b, hidden]
+        last_logits = self.logits(last)
+        every = None
+        if all_positions:
+            every = [self.logits(hidden[i, : int(lengths[i])]) for i in range(b)]
+        for i, row in enumerate(rows.tolist()):
+            self.cache.set_length(row, int(self.cache.lens[row]) + int(lengths[i]))
+        return last_logits, every
+
+    @torch.inference_mode()
+    def verify(self, rows: torch.Tensor, tokens: torch.Tensor, depths: torch.Tensor, tree_mask: torch.Tensor) -> torch.Tensor:
+        """Logits [b, q, V] of the root plus every tree node; the cache lengths stay unchanged until
+        :meth:`compact` keeps the accepted entries."""
+        safe = tokens.clamp(min=0)  # EMPTY nodes run as token 0; they can never be accepted
+        hidden = self.forward(rows, safe, depths[None], tree_mask[None])
+        return self.logits(hidden)
+
+    def compact(self, rows: torch.Tensor, keep: list[torch.Tensor]) -> None:
+        self.cache.compact(rows, keep)

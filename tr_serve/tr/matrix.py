@@ -1,0 +1,51 @@
+"""The adjacency matrix: for each token, the top-K next tokens the target model last predicted."""
+
+from __future__ import annotations
+
+import torch
+
+EMPTY = -1  # "no candidate": drafts a node that can never be accepted, and is never an index
+
+
+class AdjacencyMatrix:
+    """``[vocab, k]`` int32 table of candidate next tokens, plus the set of rows changed since the
+    last :meth:`take_dirty_rows` (what a replica pushes to the fleet)."""
+
+    def __init__(self, vocab_size: int, k: int = 8, device: torch.device | str = "cpu"):
+        if k < 1:
+            raise ValueError(f"k must be >= 1, got {k}")
+        self.vocab_size = vocab_size
+        self.k = k
+        self.table = torch.full((vocab_size, k), EMPTY, dtype=torch.int32, device=device)
+        self._dirty = torch.zeros(vocab_size, dtype=torch.bool, device=device)
+
+    def recycle(self, tokens: torch.Tensor, logits: torch.Tensor) -> None:
+        """Overwrite the rows of ``tokens`` [n] with the top-k of their next-token ``logits`` [n, V].
+
+        Tokens that are :data:`EMPTY` (tree nodes that drafted nothing) are skipped. When a token
+        occurs at several nodes, the last occurrence wins, which is deterministic on every device.
+        """
+        tokens = tokens.reshape(-1)
+        logits = logits.reshape(tokens.numel(), -1)
+        valid = tokens >= 0
+        if not bool(valid.all()):
+            tokens, logits = tokens[valid], logits[valid]
+        if tokens.numel() == 0:
+            return
+        top = torch.topk(logits, self.k, dim=-1).indices.to(torch.int32)
+        tokens = tokens.to(self.table.device)
+        self.table[tokens] = top.to(self.table.device)
+        self._dirty[tokens] = True
+
+    def take_dirty_rows(self) -> torch.Tensor:
+        """Ids of rows changed since the last call (and clear the set)."""
+        ids = self._dirty.nonzero().flatten()
+        self._dirty[ids] = False
+        return ids
+
+    def num_filled_rows(self) -> int:
+        return int((self.table[:, 0] != EMPTY).sum())
+
+    def clear(self) -> None:
+        self.table.fill_(EMPTY)
+        self._dirty.zero_()
