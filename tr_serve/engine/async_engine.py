@@ -1,0 +1,140 @@
+"""Continuous batching for asyncio callers: a background thread runs ``Engine.step()`` while any
+request is waiting or running; callers get an async iterator of outputs per request.
+
+The engine itself is single-threaded: callers never touch it directly, they post commands (add,
+abort) that the step thread applies between steps, so requests join and leave between steps.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+from dataclasses import dataclass
+from typing import AsyncIterator, Callable
+
+from tr_serve.engine.engine import Engine, PromptTooLongError
+from tr_serve.engine.request import RequestOutput
+from tr_serve.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class EngineDeadError(RuntimeError):
+    """The step loop failed; the engine serves nothing more and its owner should be replaced."""
+
+
+@dataclass
+class _Stream:
+    loop: asyncio.AbstractEventLoop
+    outputs: asyncio.Queue
+
+
+class AsyncEngine:
+    def __init__(self, engine: Engine, on_step: Callable[[Engine], None] | None = None):
+        self.engine = engine
+        self.on_step = on_step  # called on the step thread after each step (metrics, matrix sync)
+        self._commands: queue.Queue = queue.Queue()
+        self._streams: dict[str, _Stream] = {}
+        self._wake = threading.Event()
+        self._stopped = False
+        self.error: BaseException | None = None
+        self._thread = threading.Thread(target=self._loop, name="tr-serve-engine", daemon=True)
+        self._thread.start()
+
+    # ---- caller side (any thread with an event loop) -----------------------------------------
+    def check_prompt(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        """Raise now, in the caller, for a request that can never be served."""
+        limit = self.engine.config.max_model_len
+        if len(prompt_ids) == 0:
+            raise ValueError("the prompt is empty")
+        if len(prompt_ids) >= limit:
+            raise PromptTooLongError(
+                f"the prompt has {len(prompt_ids)} tokens; max_model_len is {limit} and at least one token must be generated"
+            )
+
+    async def generate(self, prompt_ids: list[int], params: SamplingParams, request_id: str) -> AsyncIterator[RequestOutput]:
+        """Yields outputs with the new text/tokens of each step; the last one has ``finished``.
+        Leaving the iteration early (break, cancellation, client gone) aborts the request."""
+        if self.error is not None:
+            raise EngineDeadError(f"engine stopped after an error: {self.error}")
+        self.check_prompt(prompt_ids, params)
+        if request_id in self._streams:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
+        self._streams[request_id] = stream
+        self._commands.put(("add", request_id, prompt_ids, params))
+        self._wake.set()
+        finished = False
+        try:
+            while True:
+                item = await stream.outputs.get()
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+                if item.finished:
+                    finished = True
+                    return
+        finally:
+            if not finished:
+                self.abort(request_id)
+            self._streams.pop(request_id, None)
+
+    def abort(self, request_id: str) -> None:
+        self._commands.put(("abort", request_id))
+        self._wake.set()
+
+    def shutdown(self) -> None:
+        self._stopped = True
+        self._wake.set()
+        self._thread.join(timeout=30)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.engine.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.engine.waiting)
+
+    # ---- step thread ------------------------------------------------------------------------
+    def _deliver(self, request_id: str, item) -> None:
+        stream = self._streams.get(request_id)
+        if stream is not None:
+            stream.loop.call_soon_threadsafe(stream.outputs.put_nowait, item)
+
+    def _apply_commands(self) -> None:
+        while True:
+            try:
+                cmd = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if cmd[0] == "add":
+                _, request_id, prompt_ids, params = cmd
+                try:
+                    self.engine.add_request(prompt_ids, params, request_id=request_id)
+                except ValueError as e:
+                    self._deliver(request_id, e)
+            elif cmd[0] == "abort":
+                self.engine.abort(cmd[1])
+
+    def _loop(self) -> None:
+        while not self._stopped:
+            self._apply_commands()
+            if not self.engine.has_unfinished():
+                self._wake.wait(timeout=0.5)
+                self._wake.clear()
+                continue
+            try:
+                outputs = self.engine.step()
+                if self.on_step is not None:
+                    self.on_step(self.engine)
+            except BaseException as e:  # the engine's state is unknown now: fail loudly, serve nothing more
+                logger.exception("engine step failed")
+                self.error = e
+                for request_id in list(self._streams):
+                    self._deliver(request_id, EngineDeadError(f"engine step failed: {e}"))
+                return
+            for out in outputs:
+                self._deliver(out.request_id, out)
