@@ -8,7 +8,9 @@ from dataclasses import dataclass
 @dataclass(frozen=True)
 class EngineConfig:
     """``tree`` is a template name (``2.2.2``, ``top8``, ...), a JSON file of paths, or ``none``
-    for plain decoding through the same runner."""
+    for plain decoding through the same runner. ``budget="auto"`` verifies, each step, the prefix
+    of the template that maximises expected tokens per second (calibrated latency x online
+    acceptance); ``"fixed"`` always verifies the whole template."""
 
     model: str = "smollm2-135m-instruct"
     tree: str = "2.2.2"
@@ -18,12 +20,15 @@ class EngineConfig:
     device: str = "cpu"
     dtype: str = "auto"
     prompt_seeding: bool = False
+    budget: str = "fixed"  # "fixed": verify the whole template; "auto": cost-aware prefix per step
 
     def __post_init__(self) -> None:
         if self.k < 1:
             raise ValueError(f"k must be >= 1, got {self.k}")
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.budget not in ("fixed", "auto"):
+            raise ValueError(f"budget must be 'fixed' or 'auto', got {self.budget!r}")
         if self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
 

@@ -23,6 +23,8 @@ from tr_serve.sampling_params import SamplingParams
 from tr_serve.tr.matrix import AdjacencyMatrix
 from tr_serve.tr.proposer import propose
 from tr_serve.tr.tree import CompiledTree, compile_tree, load_template
+from tr_serve.tr.budget import AcceptanceStats, LatencyTable, choose_budget
+from tr_serve.tr.sampling import process_logits, sample_token, walk_tree
 from tr_serve.tr.verifier import accept_greedy
 
 _ids = itertools.count()
@@ -47,6 +49,21 @@ class Engine:
         vocab = loaded.model.config.vocab_size
         self.matrix = matrix if matrix is not None else AdjacencyMatrix(vocab, config.k, device=self.runner.device)
         self.timer = timer or PhaseTimer(self.runner.device, enabled=False)
+        # cost-aware budget: verify the best prefix of the template for this batch on this device
+        self.acceptance: AcceptanceStats | None = None
+        self.latency: LatencyTable | None = None
+        self._prefixes: dict[int, CompiledTree] = {}
+        if self.tree is not None:
+            self._prefixes[self.tree.num_nodes] = self.tree
+            if config.budget == "auto":
+                from tr_serve.runner.calibration import load_or_measure
+
+                self.acceptance = AcceptanceStats(self.tree)
+                max_q = config.max_num_seqs * (self.tree.num_nodes + 1)
+                self.latency = load_or_measure(self.runner, loaded.model_id, max_q)
+                for n in _BUDGET_CANDIDATES:
+                    if n < self.tree.num_nodes:
+                        self._prefixes[n] = _PLAIN if n == 0 else self.tree.prefix(n)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.free_rows: list[int] = list(range(config.max_num_seqs))
@@ -65,6 +82,9 @@ class Engine:
         if request_id in self._by_id:
             raise ValueError(f"request id {request_id!r} is already in use")
         req = Request(request_id, list(prompt_ids), params, IncrementalDetokenizer(self.tokenizer))
+        if not params.greedy:
+            req.generator = torch.Generator(device="cpu")
+            req.generator.manual_seed(params.seed if params.seed is not None else torch.seed())
         req.stats.prompt_tokens = len(prompt_ids)
         self.waiting.append(req)
         self._by_id[request_id] = req
@@ -121,7 +141,7 @@ class Engine:
         seeding = self.tree is not None and self.config.prompt_seeding
         with self.timer.phase("forward"):
             last_logits, every = self.runner.prefill(rows, [r.prompt_ids for r in batch], all_positions=seeding)
-        first = last_logits.argmax(dim=-1).tolist()
+        first = [self._first_token(req, last_logits[i]) for i, req in enumerate(batch)]
         if self.tree is not None:
             with self.timer.phase("recycle"):
                 for i, req in enumerate(batch):
@@ -133,26 +153,49 @@ class Engine:
             for req, token in zip(batch, first):
                 append_token(req, token, self.eos_ids, self._context_full(req))
 
+    def _first_token(self, req: Request, logits: torch.Tensor) -> int:
+        p = req.params
+        if p.greedy:
+            return int(logits.argmax())
+        return sample_token(process_logits(logits.cpu(), p.temperature, p.top_k, p.top_p), req.generator)
+
+    def _choose_tree(self, rows: int) -> CompiledTree:
+        if self.tree is None:
+            return _PLAIN
+        if self.acceptance is None:
+            return self.tree
+        n = choose_budget(self.acceptance.rates, self.latency, rows, tuple(self._prefixes))
+        return self._prefixes[n]
+
     def _decode(self, batch: list[Request]) -> None:
         rows = torch.tensor([r.row for r in batch])
         roots = torch.tensor([r.last_token for r in batch])
-        tree = self.tree or _PLAIN
         with self.timer.phase("propose"):
-            draft = propose(self.matrix, roots, tree) if tree.num_nodes else roots[:, None]
+            tree = self._choose_tree(len(batch))
+            full_draft = propose(self.matrix, roots, self.tree) if self.tree is not None else roots[:, None]
+            draft = full_draft[:, : tree.num_nodes + 1]  # parents precede children: a prefix is a tree
         with self.timer.phase("forward"):
             logits = self.runner.verify(rows, draft, tree.depths, tree.mask)
         with self.timer.phase("accept"):
             acceptance = accept_greedy(draft, logits, tree)
+            accepted, emitted = acceptance.accepted_nodes, acceptance.emitted
+            for i, req in enumerate(batch):
+                p = req.params
+                if not p.greedy:
+                    accepted[i], emitted[i] = walk_tree(draft[i], logits[i], tree, p.temperature, p.top_k, p.top_p,
+                                                        req.generator)
+            if self.acceptance is not None:
+                self.acceptance.update(full_draft, acceptance.choices)
         with self.timer.phase("compact"):
-            self.runner.compact(rows, acceptance.accepted_nodes)
+            self.runner.compact(rows, accepted)
         if self.tree is not None:
             with self.timer.phase("recycle"):
                 self.matrix.recycle(draft, logits)
         with self.timer.phase("postprocess"):
-            for req, emitted in zip(batch, acceptance.emitted):
-                req.stats.accepted_per_step.append(len(emitted))
+            for req, out in zip(batch, emitted):
+                req.stats.accepted_per_step.append(len(out))
                 req.stats.tree_nodes_per_step.append(tree.num_nodes)
-                for token in emitted.tolist():
+                for token in out.tolist():
                     if append_token(req, token, self.eos_ids, self._context_full(req)):
                         break
 
@@ -162,3 +205,4 @@ class Engine:
 
 
 _PLAIN = compile_tree([], name="none")
+_BUDGET_CANDIDATES = (0, 1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)

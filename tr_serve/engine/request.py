@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from enum import Enum
 
+import torch
+
 from tr_serve.engine.detokenizer import IncrementalDetokenizer
 from tr_serve.sampling_params import SamplingParams
 
@@ -56,6 +58,7 @@ class Request:
     row: int = -1  # KV cache row while running
     finish_reason: FinishReason | None = None
     text: str = ""  # output text, cut at a stop string
+    generator: torch.Generator | None = None  # per-request RNG of a sampled request
     _sent_chars: int = 0
     _sent_tokens: int = 0
 

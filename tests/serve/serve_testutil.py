@@ -1,0 +1,23 @@
+"""Helpers of the Serve tests (a uniquely named module: other test folders have their own conftest)."""
+
+from __future__ import annotations
+
+import os
+import socket
+
+SERVE_ENV = {"RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def subprocess_env(**extra: str) -> dict[str, str]:
+    env = dict(os.environ)
+    env.update(SERVE_ENV)
+    env["RAY_ADDRESS"] = "local"  # a fresh local cluster, never someone else's
+    env.pop("TR_SERVE_API_KEYS", None)
+    env.update(extra)
+    return env

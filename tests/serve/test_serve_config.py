@@ -1,0 +1,121 @@
+"""Config validation, YAML files and request models: no Ray cluster, no model."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+from pydantic import ValidationError
+
+from tr_serve.serve.config import ConfigError, TRServeConfig
+from tr_serve.serve.protocol import ChatCompletionRequest, CompletionRequest, validation_error
+
+CONFIGS = Path(__file__).resolve().parents[2] / "configs"
+
+
+@pytest.mark.parametrize("name", ["smollm2-cpu.yaml", "llama70b.yaml"])
+def test_yaml_is_a_valid_serve_config_and_tr_config(name):
+    from ray.serve.schema import ServeDeploySchema
+
+    raw = yaml.safe_load((CONFIGS / name).read_text())
+    schema = ServeDeploySchema.model_validate(raw)
+    assert len(schema.applications) == 1
+    app = schema.applications[0]
+    assert app.import_path == "tr_serve.serve.builder:build_app"
+    assert app.route_prefix == "/"
+    TRServeConfig.from_args(app.args)  # raises on an unknown key or a bad value
+
+
+def test_cpu_yaml_binds_loopback_port_8000_and_the_embedded_model():
+    raw = yaml.safe_load((CONFIGS / "smollm2-cpu.yaml").read_text())
+    assert raw["http_options"] == {"host": "127.0.0.1", "port": 8000}
+    cfg = TRServeConfig.from_args(raw["applications"][0]["args"])
+    assert (cfg.model, cfg.device, cfg.tree) == ("smollm2-135m-instruct", "cpu", "top4")
+
+
+def test_llama70b_yaml_builds_an_8_gpu_strict_pack_replica():
+    from tr_serve.serve.builder import build_app
+
+    args = yaml.safe_load((CONFIGS / "llama70b.yaml").read_text())["applications"][0]["args"]
+    cfg = TRServeConfig.from_args(args)
+    opts = cfg.server_deployment_options()
+    assert opts["placement_group_bundles"] == [{"GPU": 1}] * 8
+    assert opts["placement_group_strategy"] == "STRICT_PACK"
+    assert opts["autoscaling_config"]["min_replicas"] == 1 and opts["autoscaling_config"]["max_replicas"] == 4
+    assert "num_replicas" not in opts
+    assert opts["max_ongoing_requests"] == 64 and opts["max_queued_requests"] == 256
+    assert (cfg.dtype, cfg.device, cfg.tree) == ("bfloat16", "cuda", "2.2.2")
+    assert "tensor_parallel_size" not in TRServeConfig.model_fields  # not until the engine has it
+    build_app(args)  # Serve's own option checks (actor must fit the first bundle) pass
+
+
+@pytest.mark.parametrize("args, key", [
+    ({"modle": "x"}, "modle"),
+    ({"k": 0}, "k"),
+    ({"max_num_seqs": "four"}, "max_num_seqs"),
+    ({"tree": "no-such-tree"}, "tree"),
+    ({"device": "gpu"}, "device"),
+    ({"dtype": "int3"}, "dtype"),
+    ({"ingress": {"replicas": 2}}, "ingress.replicas"),
+    ({"autoscaling_config": {"min_replica": 1}}, "autoscaling_config"),
+    ({"max_queued_requests": -5}, "max_queued_requests"),
+    ({"placement_group_strategy": "PACK"}, "placement_group_bundles"),
+    ({"placement_group_bundles": [{"GPU": 1}], "ray_actor_options": {"num_cpus": 2}}, "placement_group_bundles"),
+])
+def test_build_app_rejects_bad_args_naming_the_key(args, key):
+    from tr_serve.serve.builder import build_app
+
+    with pytest.raises(ConfigError) as e:
+        build_app(args)
+    assert key in str(e.value)
+
+
+def test_server_options_defaults_follow_max_num_seqs():
+    cfg = TRServeConfig.from_args({"max_num_seqs": 3})
+    opts = cfg.server_deployment_options()
+    assert opts["max_ongoing_requests"] == 6 and opts["max_queued_requests"] == 24
+    assert opts["backpressure_config"] == {"status_code": 429, "retry_after_s": 1.0}
+    assert opts["num_replicas"] == 1
+    assert cfg.served_model_id == "smollm2-135m-instruct"
+    gpu = TRServeConfig.from_args({"device": "cuda", "placement_group_bundles": [{"GPU": 1}] * 2})
+    assert gpu.server_deployment_options()["ray_actor_options"] == {"num_gpus": 1, "num_cpus": 0}
+
+
+def test_api_keys_from_config_and_env(monkeypatch):
+    monkeypatch.setenv("TR_SERVE_API_KEYS", " env-a, ,env-b ")
+    cfg = TRServeConfig.from_args({"api_keys": ["cfg-1"]})
+    assert cfg.resolved_api_keys() == ["cfg-1", "env-a", "env-b"]
+    assert "cfg-1" not in repr(cfg)  # secrets stay out of logs
+
+
+def _errors(model, body):
+    with pytest.raises(ValidationError) as e:
+        model.model_validate(body)
+    return validation_error(e.value.errors())
+
+
+def test_request_validation_is_strict_and_names_the_param():
+    msgs = [{"role": "user", "content": "hi"}]
+    assert _errors(ChatCompletionRequest, {"model": "m", "messages": msgs, "max_tokens": "5"}).param == "max_tokens"
+    assert _errors(ChatCompletionRequest, {"model": "m", "messages": msgs, "stream": "yes"}).param == "stream"
+    assert _errors(ChatCompletionRequest, {"messages": msgs}).param == "model"
+    err = _errors(ChatCompletionRequest, {"model": "m", "messages": [{"role": "wizard", "content": "x"}]})
+    assert err.param == "messages[0].role" and err.status_code == 400
+    assert _errors(CompletionRequest, {"model": "m", "prompt": 5}).param == "prompt"
+    # unknown fields are ignored, like OpenAI
+    req = ChatCompletionRequest.model_validate({"model": "m", "messages": msgs, "whatever": {"x": 1}})
+    assert req.unsupported() is None and req.requested_max_tokens() is None
+
+
+def test_unsupported_fields_are_rejected_with_their_param():
+    msgs = [{"role": "user", "content": "hi"}]
+    n2 = ChatCompletionRequest.model_validate({"model": "m", "messages": msgs, "n": 2}).unsupported()
+    assert (n2.param, n2.message) == ("n", "n > 1 is not supported")
+    assert CompletionRequest.model_validate({"model": "m", "prompt": "x", "logprobs": 1}).unsupported().param == "logprobs"
+    batch = CompletionRequest.model_validate({"model": "m", "prompt": ["a", "b"]}).single_prompt()
+    assert batch.param == "prompt"
+    assert CompletionRequest.model_validate({"model": "m", "prompt": [[1, 2]]}).single_prompt() == [1, 2]
+    chat = ChatCompletionRequest.model_validate(
+        {"model": "m", "messages": msgs, "max_tokens": 5, "max_completion_tokens": 7})
+    assert (chat.requested_max_tokens(), chat.max_tokens_param) == (7, "max_completion_tokens")

@@ -1,0 +1,190 @@
+"""``tr-serve``: command-line entry point.
+
+    tr-serve generate --prompt TEXT [--model M] [--max-tokens N] [--tree 2.2.2|NAME|PATH.json]
+                      [--no-tr] [--k 8] [--stop S ...] [--raw]
+    tr-serve bench [--questions PATH] [--per-category N] [--max-new-tokens N] [--tree T ...] ...
+
+Bad arguments print one line on stderr and exit with code 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from typing import Sequence
+
+DEFAULT_MODEL = "smollm2-135m-instruct"
+
+
+class UsageError(Exception):
+    """Bad user input found after parsing (a tree, a model path, a stop string...): exit 2."""
+
+
+class OneLineErrorParser(argparse.ArgumentParser):
+    """An argparse parser whose errors are a single line (no usage dump) and exit code 2."""
+
+    def error(self, message: str):  # noqa: D401 - argparse API
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def _positive_int(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return v
+
+
+def build_parser() -> OneLineErrorParser:
+    from tr_serve.bench import spec_bench
+
+    parser = OneLineErrorParser(prog="tr-serve", description="Lossless Token Recycling speculative decoding.")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub.required = True
+
+    g = sub.add_parser("generate", help="generate one answer and print the Token Recycling statistics",
+                       description="Generate one answer (greedy) and print the Token Recycling statistics.")
+    g.add_argument("--prompt", required=True, help="the user message (or the raw text with --raw)")
+    g.add_argument("--model", default=DEFAULT_MODEL,
+                   help=f"model directory, .gguf file, hub id or {DEFAULT_MODEL} (default)")
+    g.add_argument("--max-tokens", type=_positive_int, default=128, metavar="N",
+                   help="new tokens at most (default: 128)")
+    trees = g.add_mutually_exclusive_group()
+    trees.add_argument("--tree", default="2.2.2", metavar="2.2.2|NAME|PATH.json",
+                       help="draft tree template: a built-in name or a JSON file of paths (default: 2.2.2)")
+    trees.add_argument("--no-tr", action="store_true", help="plain greedy decoding through the same runner")
+    g.add_argument("--k", type=_positive_int, default=8, help="candidates per matrix row (default: 8)")
+    g.add_argument("--stop", nargs="+", action="extend", default=[], metavar="S",
+                   help="stop strings (cut from the answer)")
+    g.add_argument("--raw", action="store_true", help="tokenize the prompt as is, without the chat template")
+    g.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default: auto = cuda if available)")
+    g.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16 (default: auto)")
+    g.set_defaults(func=cmd_generate)
+
+    b = sub.add_parser("bench", help="benchmark TR against plain decoding and PLD on Spec-Bench questions",
+                       description="Spec-Bench benchmark: baseline greedy vs Token Recycling trees vs prompt "
+                                   "lookup decoding, interleaved prompt by prompt.")
+    spec_bench.add_arguments(b)
+    b.set_defaults(func=cmd_bench)
+    return parser
+
+
+def _quiet_transformers() -> None:
+    try:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
+        hf_logging.set_verbosity_error()
+    except Exception:  # pragma: no cover - never block the CLI on logging setup
+        pass
+
+
+def check_model_arg(model: str) -> None:
+    """A model given as a local path (``/``, ``./``, ``../``, ``~``, or a ``.gguf`` file) must exist."""
+    import os
+
+    local = model.startswith(("/", "./", "../", "~")) or model.endswith(".gguf")
+    if local and not os.path.exists(os.path.expanduser(model)):
+        raise UsageError(f"model path {model} does not exist")
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    import torch
+
+    from tr_serve.engine.config import EngineConfig
+    from tr_serve.model_loader import parse_dtype
+    from tr_serve.tr.tree import TreeTemplateError, load_template
+
+    if not args.prompt.strip():
+        raise UsageError("--prompt is empty")
+    if args.device == "auto":
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    tree = "none" if args.no_tr else args.tree
+    speculative = tree.strip().lower() not in ("none", "off", "")
+    if speculative:
+        try:
+            tree_name, paths = load_template(tree, args.k)
+        except TreeTemplateError as e:
+            raise UsageError(str(e)) from None
+    try:
+        EngineConfig(model=args.model, tree=tree, k=args.k, max_num_seqs=1, device=args.device, dtype=args.dtype)
+        parse_dtype(args.dtype, args.device)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    if args.device.startswith("cuda"):
+        if not torch.cuda.is_available():
+            raise UsageError(f"--device {args.device}: CUDA is not available on this machine")
+
+    check_model_arg(args.model)
+
+    from tr_serve.engine.engine import PromptTooLongError
+    from tr_serve.llm import LLM, encode_prompt
+    from tr_serve.model_loader import load_model
+    from tr_serve.sampling_params import SamplingParams
+
+    try:
+        params = SamplingParams(max_tokens=args.max_tokens, stop=tuple(args.stop))
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    _quiet_transformers()
+    try:
+        loaded = load_model(args.model, device=args.device, dtype=args.dtype)
+    except (OSError, ValueError) as e:
+        raise UsageError(f"cannot load model {args.model!r}: {str(e).splitlines()[0] if str(e) else type(e).__name__}")
+    prompt = args.prompt if args.raw else [{"role": "user", "content": args.prompt}]
+    prompt_ids = encode_prompt(loaded.tokenizer, prompt)
+    max_pos = getattr(loaded.model.config, "max_position_embeddings", None) or 2048
+    max_model_len = min(max_pos, max(2048, len(prompt_ids) + args.max_tokens + 1))
+    llm = LLM(model=args.model, tree=tree, k=args.k, loaded=loaded, max_num_seqs=1, max_model_len=max_model_len,
+              device=args.device, dtype=args.dtype)
+    t0 = time.perf_counter()
+    try:
+        out = llm.generate([prompt_ids], params)[0]
+    except PromptTooLongError as e:
+        raise UsageError(str(e)) from None
+    wall = time.perf_counter() - t0
+
+    n = len(out.token_ids)
+    steps = len(out.stats.accepted_per_step)
+    mat = (n - 1) / steps if steps else float("nan")
+    reason = getattr(out.finish_reason, "value", out.finish_reason)
+    print(out.text)
+    print()
+    header = f"Token Recycling: tree {tree_name} ({len(paths)} nodes), k={args.k}" if speculative \
+        else "plain greedy decoding (no TR)"
+    print(f"--- {header} ---")
+    print(f"prompt tokens:      {len(prompt_ids)}")
+    print(f"tokens:             {n}")
+    print(f"verification steps: {steps} (+1 prefill)")
+    print(f"MAT:                {'n/a' if steps == 0 else f'{mat:.2f}'}")
+    print(f"tokens/s:           {n / wall:.2f}" if wall > 0 else "tokens/s:           n/a")
+    print(f"wall time:          {wall:.2f} s")
+    print(f"finish reason:      {reason}")
+    return 0
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from tr_serve.bench import spec_bench
+
+    _quiet_transformers()
+    return spec_bench.execute(args, prog="tr-serve bench")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args)
+    except UsageError as e:
+        print(f"tr-serve {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"tr-serve {args.command}: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

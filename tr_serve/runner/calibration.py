@@ -1,0 +1,84 @@
+"""Measure forward latency by query-token count on the actual device, cached per model and device."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import platform
+import time
+
+import torch
+
+from tr_serve.model_loader import cache_root
+from tr_serve.runner.model_runner import ModelRunner
+from tr_serve.tr.budget import LatencyTable
+
+logger = logging.getLogger(__name__)
+
+POINTS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 648)
+
+
+def _device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"{platform.machine()}-{platform.processor() or 'cpu'}-threads{torch.get_num_threads()}"
+
+
+def calibration_key(model_id: str, runner: ModelRunner) -> str:
+    raw = f"{model_id}|{_device_name(runner.device)}|{runner.dtype}|{torch.__version__}"
+    return hashlib.sha256(raw.encode()).hexdigest()[:20]
+
+
+def measure(runner: ModelRunner, max_tokens: int, context: int = 256, repeats: int = 3) -> LatencyTable:
+    """Latency of one forward of ``q`` tokens on row 0 over a ``context``-token prefix (min of
+    ``repeats``); the row is left empty afterwards."""
+    row = torch.tensor([0])
+    context = max(1, min(context, runner.max_len - max_tokens - 1))
+    points = [q for q in POINTS if q <= max_tokens and context + q <= runner.max_len] or [1]
+    runner.free(0)
+    runner.prefill(row, [list(range(10, 10 + context))])
+    seconds = []
+    for q in points:
+        tokens = torch.randint(10, 1000, (1, q))
+        depths = torch.arange(q)
+        mask = torch.ones(q, q, dtype=torch.bool).tril()
+        runner.verify(row, tokens, depths, mask)  # warm-up for this shape
+        best = float("inf")
+        for _ in range(repeats if q <= 128 else 1):
+            if runner.device.type == "cuda":
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            runner.verify(row, tokens, depths, mask)
+            if runner.device.type == "cuda":
+                torch.cuda.synchronize()
+            best = min(best, time.perf_counter() - t0)
+        seconds.append(best)
+    runner.free(0)
+    # a forward over more tokens never costs less: a running minimum from the right removes noise
+    for i in range(len(seconds) - 2, -1, -1):
+        seconds[i] = min(seconds[i], seconds[i + 1])
+    return LatencyTable(tuple(points), tuple(seconds))
+
+
+def load_or_measure(runner: ModelRunner, model_id: str, max_tokens: int) -> LatencyTable:
+    path = cache_root() / "calibration" / f"{calibration_key(model_id, runner)}.json"
+    if path.exists():
+        try:
+            data = json.loads(path.read_text())
+            table = LatencyTable(tuple(data["tokens"]), tuple(data["seconds"]))
+            if table.tokens and table.tokens[-1] >= min(max_tokens, POINTS[-1]):
+                return table
+        except (OSError, ValueError, KeyError) as e:
+            logger.warning("ignoring unreadable calibration %s: %s", path, e)
+    logger.info("calibrating forward latency on %s (cached in %s)", _device_name(runner.device), path)
+    table = measure(runner, max_tokens)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"tokens": table.tokens, "seconds": table.seconds,
+                                   "device": _device_name(runner.device), "model": model_id}))
+        tmp.replace(path)
+    except OSError as e:
+        logger.warning("could not cache calibration in %s: %s", path, e)
+    return table

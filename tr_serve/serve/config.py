@@ -1,0 +1,266 @@
+"""The application's configuration: one pydantic model, validated where the app is built.
+
+``build_app(args)`` (the ``args:`` of a Serve YAML) goes through ``TRServeConfig.from_args``, which
+rejects unknown keys and bad values with a message naming the key, so a typo stops the deployment
+instead of being dropped. Engine fields map 1:1 onto ``tr_serve.engine.config.EngineConfig``;
+the Serve fields are passed to ``serve.deployment(...).options(...)`` for the model server.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from typing import Any, Literal, Optional, Union
+
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, ValidationInfo, field_validator, model_validator
+
+API_KEYS_ENV = "TR_SERVE_API_KEYS"
+
+_DEVICE = re.compile(r"^(cpu|mps|cuda(:\d+)?)$")
+_DTYPES = ("auto", "float32", "fp32", "bfloat16", "bf16", "float16", "fp16")
+
+
+class ConfigError(ValueError):
+    """A bad application config; the message names every offending key."""
+
+
+def env_api_keys() -> list[str]:
+    """Keys from ``TR_SERVE_API_KEYS`` (comma-separated; blanks ignored)."""
+    raw = os.environ.get(API_KEYS_ENV, "")
+    return [k.strip() for k in raw.split(",") if k.strip()]
+
+
+class IngressConfig(BaseModel):
+    """Options of the HTTP ingress deployment (routing, auth, SSE framing; no model)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    num_replicas: Optional[Union[int, Literal["auto"]]] = Field(default=1)
+    autoscaling_config: Optional[dict[str, Any]] = None
+    max_ongoing_requests: int = Field(default=1024, ge=1)
+    ray_actor_options: dict[str, Any] = Field(default_factory=lambda: {"num_cpus": 0})
+
+    @field_validator("num_replicas")
+    @classmethod
+    def _positive(cls, v):
+        if isinstance(v, int) and v < 1:
+            raise ValueError("must be >= 1 or 'auto'")
+        return v
+
+    @field_validator("autoscaling_config")
+    @classmethod
+    def _autoscaling(cls, v):
+        return _check_autoscaling(v)
+
+    @model_validator(mode="after")
+    def _scaling(self):
+        _check_scaling(self.num_replicas, self.autoscaling_config, self.model_fields_set)
+        return self
+
+
+class TRServeConfig(BaseModel):
+    """Arguments of ``tr_serve.serve.builder:build_app``."""
+
+    model_config = ConfigDict(extra="forbid", protected_namespaces=())
+
+    # ---- model and engine (tr_serve.engine.config.EngineConfig) ----------------------------
+    model: str = Field(default="smollm2-135m-instruct", min_length=1,
+                       description="directory, .gguf file, hub id, or the embedded alias")
+    model_id: Optional[str] = Field(default=None, min_length=1,
+                                    description="name clients send in `model`; default: `model`")
+    k: int = Field(default=8, ge=1, description="matrix candidates per token (before `tree`: the tree is checked against it)")
+    tree: str = Field(default="2.2.2", min_length=1, description="tree template name, JSON file, or 'none'")
+    max_num_seqs: int = Field(default=8, ge=1)
+    max_model_len: int = Field(default=2048, ge=2)
+    device: str = "cpu"
+    dtype: str = "auto"
+    prompt_seeding: bool = False
+    cpu_threads: Optional[int] = Field(default=None, ge=1, description="torch.set_num_threads in the model replica")
+
+    # ---- HTTP API ---------------------------------------------------------------------------
+    api_keys: list[SecretStr] = Field(default_factory=list,
+                                      description=f"Bearer keys; also {API_KEYS_ENV} (comma-separated)")
+    ingress: IngressConfig = Field(default_factory=IngressConfig)
+
+    # ---- model server deployment (Ray Serve options) ---------------------------------------
+    num_replicas: Optional[Union[int, Literal["auto"]]] = 1
+    autoscaling_config: Optional[dict[str, Any]] = None
+    max_ongoing_requests: Optional[int] = Field(default=None, ge=1,
+                                                description="per replica; default 2 * max_num_seqs")
+    max_queued_requests: Optional[int] = Field(default=None, ge=-1,
+                                               description="per caller; -1 = unbounded; default 8 * max_num_seqs")
+    backpressure_status_code: Literal[429, 503] = 429
+    retry_after_s: float = Field(default=1.0, ge=0)
+    ray_actor_options: Optional[dict[str, Any]] = None
+    placement_group_bundles: Optional[list[dict[str, float]]] = None
+    placement_group_strategy: Optional[Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"]] = None
+    health_check_period_s: Optional[float] = Field(default=None, gt=0)
+    health_check_timeout_s: Optional[float] = Field(default=None, gt=0)
+    graceful_shutdown_timeout_s: Optional[float] = Field(default=None, ge=0)
+
+    # ---- validators -------------------------------------------------------------------------
+    @field_validator("device")
+    @classmethod
+    def _device(cls, v: str) -> str:
+        if not _DEVICE.match(v):
+            raise ValueError(f"unknown device {v!r}: use cpu, cuda, cuda:N or mps")
+        return v
+
+    @field_validator("dtype")
+    @classmethod
+    def _dtype(cls, v: str) -> str:
+        if v not in _DTYPES:
+            raise ValueError(f"unknown dtype {v!r}: use one of {list(_DTYPES)}")
+        return v
+
+    @field_validator("tree")
+    @classmethod
+    def _tree(cls, v: str, info: ValidationInfo) -> str:
+        if v.lower() in ("none", "off"):
+            return v
+        from tr_serve.tr.tree import load_template
+
+        load_template(v, info.data.get("k", 8))  # TreeTemplateError (a ValueError) names the problem
+        return v
+
+    @field_validator("num_replicas")
+    @classmethod
+    def _replicas(cls, v):
+        if isinstance(v, int) and v < 1:
+            raise ValueError("must be >= 1 or 'auto'")
+        return v
+
+    @field_validator("autoscaling_config")
+    @classmethod
+    def _autoscaling(cls, v):
+        return _check_autoscaling(v)
+
+    @field_validator("placement_group_bundles")
+    @classmethod
+    def _bundles(cls, v):
+        if v is not None and len(v) == 0:
+            raise ValueError("give at least one bundle, e.g. [{GPU: 1}]")
+        return v
+
+    @model_validator(mode="after")
+    def _cross(self):
+        _check_scaling(self.num_replicas, self.autoscaling_config, self.model_fields_set)
+        if self.placement_group_strategy is not None and self.placement_group_bundles is None:
+            raise ValueError("placement_group_strategy needs placement_group_bundles")
+        return self
+
+    # ---- derived ----------------------------------------------------------------------------
+    @property
+    def served_model_id(self) -> str:
+        return self.model_id or self.model
+
+    def engine_config(self):
+        from tr_serve.engine.config import EngineConfig
+
+        return EngineConfig(model=self.model, tree=self.tree, k=self.k, max_num_seqs=self.max_num_seqs,
+                            max_model_len=self.max_model_len, device=self.device, dtype=self.dtype,
+                            prompt_seeding=self.prompt_seeding)
+
+    def resolved_api_keys(self, include_env: bool = True) -> list[str]:
+        keys = [k.get_secret_value() for k in self.api_keys]
+        if include_env:
+            keys += env_api_keys()
+        return sorted(set(k for k in keys if k))
+
+    def server_deployment_options(self) -> dict[str, Any]:
+        """Options for ``serve.deployment(LLMServer).options(**...)``."""
+        opts: dict[str, Any] = {
+            "max_ongoing_requests": self.max_ongoing_requests or 2 * self.max_num_seqs,
+            "max_queued_requests": self.max_queued_requests if self.max_queued_requests is not None
+            else 8 * self.max_num_seqs,
+            "backpressure_config": {"status_code": self.backpressure_status_code,
+                                    "retry_after_s": self.retry_after_s},
+        }
+        if self.autoscaling_config is not None:
+            opts["autoscaling_config"] = self.autoscaling_config
+        else:
+            opts["num_replicas"] = self.num_replicas
+        actor = dict(self.ray_actor_options or {})
+        first_bundle = self.placement_group_bundles[0] if self.placement_group_bundles else None
+        if self.device.startswith("cuda") and "num_gpus" not in actor:
+            actor["num_gpus"] = 1 if first_bundle is None else min(1, first_bundle.get("GPU", 0))
+        if first_bundle is not None and "num_cpus" not in actor:
+            # the replica actor lives in the first bundle: by default it takes that bundle's CPUs
+            # (Serve's default of 1 CPU would not fit a {GPU: 1} bundle)
+            actor["num_cpus"] = first_bundle.get("CPU", 0)
+        if actor:
+            opts["ray_actor_options"] = actor
+        if self.placement_group_bundles is not None:
+            opts["placement_group_bundles"] = self.placement_group_bundles
+            opts["placement_group_strategy"] = self.placement_group_strategy or "PACK"
+        for name in ("health_check_period_s", "health_check_timeout_s", "graceful_shutdown_timeout_s"):
+            value = getattr(self, name)
+            if value is not None:
+                opts[name] = value
+        return opts
+
+    def ingress_deployment_options(self) -> dict[str, Any]:
+        ing = self.ingress
+        opts: dict[str, Any] = {"max_ongoing_requests": ing.max_ongoing_requests,
+                                "ray_actor_options": dict(ing.ray_actor_options)}
+        if ing.autoscaling_config is not None:
+            opts["autoscaling_config"] = ing.autoscaling_config
+        else:
+            opts["num_replicas"] = ing.num_replicas
+        return opts
+
+    @classmethod
+    def from_args(cls, args: "TRServeConfig | dict[str, Any] | None") -> "TRServeConfig":
+        """Validate ``args``; raise ConfigError naming each bad key."""
+        if isinstance(args, cls):
+            return args
+        if args is None:
+            args = {}
+        if not isinstance(args, dict):
+            raise ConfigError(f"tr_serve config must be a mapping of keys to values, got {type(args).__name__}")
+        try:
+            return cls.model_validate(args)
+        except ValidationError as e:
+            raise ConfigError(format_validation_error(e)) from None
+
+
+def _check_scaling(num_replicas, autoscaling_config, fields_set) -> None:
+    if autoscaling_config is not None and "num_replicas" in fields_set and num_replicas not in (None, "auto"):
+        raise ValueError("give either num_replicas or autoscaling_config, not both")
+
+
+def _check_autoscaling(value):
+    if value is None:
+        return value
+    from ray.serve.config import AutoscalingConfig
+
+    unknown = sorted(set(value) - set(AutoscalingConfig.model_fields))
+    if unknown:
+        raise ValueError(f"unknown key(s) {unknown}; Serve's autoscaling_config takes {sorted(AutoscalingConfig.model_fields)}")
+    try:
+        AutoscalingConfig.model_validate(value)
+    except ValidationError as e:
+        parts = []
+        for err in e.errors():
+            key = ".".join(str(p) for p in err["loc"])
+            msg = "unknown key" if err["type"] == "extra_forbidden" else _strip(err["msg"])
+            parts.append(f"{key}: {msg}" if key else msg)
+        raise ValueError("; ".join(parts)) from None
+    return value
+
+
+def format_validation_error(e: ValidationError) -> str:
+    lines = []
+    for err in e.errors():
+        key = ".".join(str(p) for p in err["loc"]) or "(config)"
+        msg = _strip(err["msg"])
+        if err["type"] == "extra_forbidden":
+            msg = "unknown key (not a tr_serve config field)"
+        lines.append(f"{key}: {msg}")
+    return "invalid tr_serve config: " + "; ".join(lines)
+
+
+def _strip(msg: str) -> str:
+    while msg.startswith(("Value error, ", "Assertion failed, ")):
+        msg = msg.split(", ", 1)[1]
+    return msg

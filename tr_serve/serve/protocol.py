@@ -1,0 +1,245 @@
+"""OpenAI-compatible request models, error bodies and response helpers (no Ray, no torch).
+
+Requests are validated strictly (``"5"`` is not an integer, ``"true"`` is not a boolean) and
+unknown fields are ignored, as OpenAI does. Fields OpenAI defines but this server cannot honour
+(``logprobs``, ``tools``, penalties, ...) are rejected with a 400 naming the field rather than
+silently dropped.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Literal, Optional, Union
+
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr
+
+_INT64_MAX = 2**63 - 1
+
+
+# ---- errors ---------------------------------------------------------------------------------
+@dataclass
+class APIError:
+    """An OpenAI-shaped error; the model server returns (never raises) these across the handle."""
+
+    status_code: int
+    message: str
+    type: str = "invalid_request_error"
+    param: Optional[str] = None
+    code: Optional[str] = None
+    headers: dict[str, str] = field(default_factory=dict)
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
+    return APIError(400, message, "invalid_request_error", param, code)
+
+
+def error_type_for(status: int) -> str:
+    return {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+            404: "not_found_error", 405: "invalid_request_error", 429: "rate_limit_error",
+            503: "service_unavailable_error"}.get(status, "server_error" if status >= 500 else "invalid_request_error")
+
+
+class APIErrorException(Exception):
+    """Raised inside the ingress; turned into a JSON response by its exception handler."""
+
+    def __init__(self, error: APIError):
+        super().__init__(error.message)
+        self.error = error
+
+
+def validation_param(loc: tuple | list) -> str | None:
+    """``("body", "messages", 0, "content")`` -> ``"messages[0].content"``."""
+    parts = [p for p in loc if p != "body"]
+    out = ""
+    for p in parts:
+        if isinstance(p, int):
+            out += f"[{p}]"
+        elif p in ("str", "list[str]", "list[int]", "list[list[int]]", "function-after", "union_tag"):
+            continue  # union branch names pydantic puts in the location
+        else:
+            out += ("." if out else "") + str(p)
+    return out or None
+
+
+def validation_error(errors: list[dict]) -> APIError:
+    """First pydantic error as an OpenAI 400 (``param`` names the field; malformed JSON has none)."""
+    if not errors:
+        return bad_request("invalid request body")
+    err = errors[0]
+    if err.get("type") == "json_invalid":
+        detail = (err.get("ctx") or {}).get("error", "")
+        return bad_request(f"request body is not valid JSON: {detail}".rstrip(": "), None, "invalid_json")
+    loc = tuple(err.get("loc", ()))
+    param = validation_param(loc)
+    if err.get("type") == "missing":
+        if param is None:
+            return bad_request("request body is missing: send a JSON object", None, "missing_body")
+        return bad_request(f"missing required field '{param}'", param, "missing_required_parameter")
+    if param is None and err.get("type") in ("model_attributes_type", "dict_type", "model_type"):
+        return bad_request("request body must be a JSON object (Content-Type: application/json)", None,
+                           "invalid_body")
+    msg = err.get("msg", "invalid value")
+    return bad_request(f"invalid value for '{param}': {msg}" if param else msg, param, "invalid_value")
+
+
+# ---- requests -------------------------------------------------------------------------------
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True, protected_namespaces=())
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+class TextPart(_Strict):
+    type: StrictStr
+    text: Optional[StrictStr] = None
+
+
+class ChatMessage(_Strict):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: Union[StrictStr, list[TextPart], None] = None
+    name: Optional[StrictStr] = None
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(p.text or "" for p in self.content)
+
+
+class _SamplingFields(_Strict):
+    """Fields common to both endpoints."""
+
+    model: StrictStr
+    stream: bool = False
+    stream_options: Optional[StreamOptions] = None
+    stop: Union[StrictStr, list[StrictStr], None] = None
+    temperature: Optional[float] = Field(default=None, ge=0.0, le=2.0)
+    top_p: Optional[float] = Field(default=None, gt=0.0, le=1.0)
+    top_k: Optional[StrictInt] = Field(default=None, ge=-1)  # vLLM extension; 0 or -1 = off
+    seed: Optional[StrictInt] = Field(default=None, ge=0, le=_INT64_MAX)
+    n: Optional[StrictInt] = Field(default=None, ge=1)
+    ignore_eos: bool = False  # vLLM extension
+    frequency_penalty: Optional[float] = None
+    presence_penalty: Optional[float] = None
+    logit_bias: Optional[dict[str, Any]] = None
+    user: Optional[StrictStr] = None
+
+    def unsupported(self) -> APIError | None:
+        if self.n is not None and self.n > 1:
+            return bad_request("n > 1 is not supported", "n", "unsupported_value")
+        for name in ("frequency_penalty", "presence_penalty"):
+            value = getattr(self, name)
+            if value not in (None, 0, 0.0):
+                return bad_request(f"{name} is not supported (use 0)", name, "unsupported_value")
+        if self.logit_bias:
+            return bad_request("logit_bias is not supported", "logit_bias", "unsupported_value")
+        return None
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class CompletionRequest(_SamplingFields):
+    prompt: Union[StrictStr, list[StrictInt], list[StrictStr], list[list[StrictInt]]]
+    max_tokens: Optional[StrictInt] = Field(default=16, ge=1)  # OpenAI's default for completions
+    echo: bool = False
+    logprobs: Optional[StrictInt] = None
+    best_of: Optional[StrictInt] = Field(default=None, ge=1)
+    suffix: Optional[StrictStr] = None
+
+    def unsupported(self) -> APIError | None:
+        if self.echo:
+            return bad_request("echo is not supported", "echo", "unsupported_value")
+        if self.logprobs is not None:
+            return bad_request("logprobs are not supported", "logprobs", "unsupported_value")
+        if self.best_of is not None and self.best_of > 1:
+            return bad_request("best_of > 1 is not supported", "best_of", "unsupported_value")
+        if self.suffix:
+            return bad_request("suffix is not supported", "suffix", "unsupported_value")
+        return super().unsupported()
+
+    def single_prompt(self) -> Union[str, list[int], APIError]:
+        p = self.prompt
+        if isinstance(p, str):
+            return p
+        if len(p) == 0:
+            return bad_request("prompt is empty", "prompt", "invalid_value")
+        if all(isinstance(t, int) for t in p):
+            return list(p)
+        if len(p) == 1:  # a batch of one
+            return p[0] if isinstance(p[0], str) else list(p[0])
+        return bad_request("batched prompts are not supported: send one prompt per request", "prompt",
+                           "unsupported_value")
+
+    @property
+    def max_tokens_param(self) -> str:
+        return "max_tokens"
+
+    def requested_max_tokens(self) -> Optional[int]:
+        return self.max_tokens
+
+
+class ChatCompletionRequest(_SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: Optional[StrictInt] = Field(default=None, ge=1)
+    max_completion_tokens: Optional[StrictInt] = Field(default=None, ge=1)
+    logprobs: Optional[bool] = None
+    top_logprobs: Optional[StrictInt] = None
+    tools: Optional[list[Any]] = None
+    tool_choice: Optional[Any] = None
+    response_format: Optional[dict[str, Any]] = None
+
+    def unsupported(self) -> APIError | None:
+        if self.logprobs or self.top_logprobs:
+            return bad_request("logprobs are not supported", "logprobs", "unsupported_value")
+        if self.tools:
+            return bad_request("tools are not supported", "tools", "unsupported_value")
+        if self.response_format and self.response_format.get("type", "text") != "text":
+            return bad_request("only response_format {\"type\": \"text\"} is supported", "response_format",
+                               "unsupported_value")
+        return super().unsupported()
+
+    def chat_messages(self) -> list[dict[str, str]] | APIError:
+        out = []
+        for i, m in enumerate(self.messages):
+            if isinstance(m.content, list) and any(p.type != "text" for p in m.content):
+                return bad_request("only text content parts are supported", f"messages[{i}].content",
+                                   "unsupported_value")
+            role = "system" if m.role == "developer" else m.role
+            out.append({"role": role, "content": m.text()})
+        return out
+
+    @property
+    def max_tokens_param(self) -> str:
+        return "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
+
+    def requested_max_tokens(self) -> Optional[int]:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+
+# ---- responses (plain dicts: they cross the handle and go straight to JSON) -------------------
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def now() -> int:
+    return int(time.time())
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def model_card(model_id: str, created: int, max_model_len: int, root: str) -> dict[str, Any]:
+    return {"id": model_id, "object": "model", "created": created, "owned_by": "tr_serve",
+            "root": root, "max_model_len": max_model_len}

@@ -1,0 +1,291 @@
+"""``LLMServer``: the model server deployment. It owns one ``AsyncEngine`` (model, KV cache rows,
+adjacency matrix) and turns validated OpenAI requests into engine requests and OpenAI responses.
+
+Its methods never raise for a bad request: they return (or, streaming, yield first) an
+``APIError`` that the ingress turns into the HTTP status, so one bad request cannot take the
+replica down or touch another request. Cancelling a call (client gone) closes the engine stream,
+which aborts the request in the engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from contextlib import aclosing
+from typing import Any, AsyncIterator, Union
+
+from tr_serve.serve.config import TRServeConfig
+from tr_serve.serve.protocol import (APIError, ChatCompletionRequest, CompletionRequest, bad_request, now,
+                                     usage)
+
+logger = logging.getLogger("ray.serve")
+
+_GREEDY_EPS = 1e-5
+_SAMPLING_FIELDS = ("max_tokens", "stop", "temperature", "top_p", "top_k", "seed", "ignore_eos")
+
+
+class LLMServer:
+    async def __init__(self, config: TRServeConfig | dict):
+        import torch
+
+        from tr_serve.engine.async_engine import AsyncEngine
+        from tr_serve.engine.engine import Engine
+        from tr_serve.model_loader import load_model
+        from tr_serve.serve.metrics import ServerMetrics
+
+        self.config = TRServeConfig.from_args(config)
+        self.model_id = self.config.served_model_id
+        if self.config.cpu_threads:
+            torch.set_num_threads(self.config.cpu_threads)
+        engine_config = self.config.engine_config()
+        t0 = time.monotonic()
+        loaded = await asyncio.to_thread(load_model, engine_config.model, engine_config.device, engine_config.dtype)
+        self.tokenizer = loaded.tokenizer
+        self.vocab_size = int(loaded.model.config.vocab_size)
+        self.max_model_len = engine_config.max_model_len
+        self.metrics = ServerMetrics(self.model_id, engine_config.max_num_seqs)
+        self.engine = AsyncEngine(Engine(loaded, engine_config), on_step=self.metrics.on_step)
+        self.metrics.engine_gauges(0, 0)
+        self.num_finished = 0  # requests that ran to a finish_reason
+        self.num_aborted = 0  # requests whose caller left first (client disconnect, cancellation)
+        logger.info("tr_serve: %s loaded as %r in %.1f s (tree %s, max_num_seqs %d, max_model_len %d, device %s)",
+                    engine_config.model, self.model_id, time.monotonic() - t0, engine_config.tree,
+                    engine_config.max_num_seqs, engine_config.max_model_len, engine_config.device)
+
+    # ---- Serve hooks --------------------------------------------------------------------------
+    def check_health(self) -> None:
+        if self.engine.error is not None:
+            raise RuntimeError(f"engine stopped after an error: {self.engine.error}")
+        if not self.engine._thread.is_alive():
+            raise RuntimeError("engine step thread is not running")
+
+    def __del__(self) -> None:
+        engine = getattr(self, "engine", None)
+        if engine is not None:
+            engine.shutdown()
+
+    # ---- methods called through the handle ------------------------------------------------------
+    async def engine_stats(self) -> dict[str, Any]:
+        """Load of this replica (no matrix contents)."""
+        running, waiting = self.engine.num_running, self.engine.num_waiting
+        return {"model": self.model_id, "num_running": running, "num_waiting": waiting,
+                "max_num_seqs": self.config.max_num_seqs, "kv_cache_usage": running / self.config.max_num_seqs,
+                "tree": self.config.tree, "engine_alive": self.engine.error is None,
+                "requests_finished": self.num_finished, "requests_aborted": self.num_aborted}
+
+    async def completions(self, request: CompletionRequest, request_id: str) -> Union[dict, APIError]:
+        return await self._full(request, request_id, chat=False)
+
+    async def chat(self, request: ChatCompletionRequest, request_id: str) -> Union[dict, APIError]:
+        return await self._full(request, request_id, chat=True)
+
+    async def completions_stream(self, request: CompletionRequest, request_id: str) -> AsyncIterator:
+        async with aclosing(self._stream(request, request_id, chat=False)) as items:
+            async for item in items:
+                yield item
+
+    async def chat_stream(self, request: ChatCompletionRequest, request_id: str) -> AsyncIterator:
+        async with aclosing(self._stream(request, request_id, chat=True)) as items:
+            async for item in items:
+                yield item
+
+    # ---- request -> engine --------------------------------------------------------------------
+    def _prepare(self, request, chat: bool):
+        """Validate and tokenize: (prompt_ids, SamplingParams) or an APIError."""
+        from tr_serve.llm import encode_prompt
+        from tr_serve.sampling_params import SamplingParams
+
+        err = request.unsupported()
+        if err is not None:
+            return err
+        if chat:
+            prompt_param = "messages"
+            messages = request.chat_messages()
+            if isinstance(messages, APIError):
+                return messages
+            try:
+                ids = encode_prompt(self.tokenizer, messages)
+            except Exception as e:  # jinja TemplateError and friends: the messages do not fit the template
+                return bad_request(f"the messages do not fit the model's chat template: {e}", "messages")
+        else:
+            prompt_param = "prompt"
+            prompt = request.single_prompt()
+            if isinstance(prompt, APIError):
+                return prompt
+            if isinstance(prompt, list):
+                bad = [t for t in prompt if not 0 <= t < self.vocab_size]
+                if bad:
+                    return bad_request(f"prompt token id {bad[0]} is outside the vocabulary (0..{self.vocab_size - 1})",
+                                       "prompt")
+            try:
+                ids = encode_prompt(self.tokenizer, prompt)
+            except Exception as e:
+                return bad_request(f"could not tokenize the prompt: {e}", "prompt")
+        n, limit = len(ids), self.max_model_len
+        if n == 0:
+            return bad_request("the prompt is empty", prompt_param)
+        if n >= limit:
+            return bad_request(f"the prompt has {n} tokens; this model's maximum context length is {limit} tokens "
+                               "and at least one token must be generated", prompt_param, "context_length_exceeded")
+        max_tokens = request.requested_max_tokens()
+        if max_tokens is None:
+            max_tokens = limit - n
+        elif n + max_tokens > limit:
+            param = request.max_tokens_param
+            return bad_request(f"this model's maximum context length is {limit} tokens; the prompt has {n} tokens and "
+                               f"{param} is {max_tokens} ({n + max_tokens} in all): lower {param} or shorten the prompt",
+                               param, "context_length_exceeded")
+        top_k = request.top_k if request.top_k not in (None, -1) else 0
+        if top_k >= self.vocab_size:  # keeps every token: the same as off
+            top_k = 0
+        temperature = 1.0 if request.temperature is None else float(request.temperature)  # OpenAI's default
+        if temperature < _GREEDY_EPS:  # 1e-30 would overflow the logits: treat as greedy, as vLLM does
+            temperature = 0.0
+        try:
+            params = SamplingParams(
+                max_tokens=max_tokens,
+                stop=request.stop if request.stop is not None else (),
+                ignore_eos=request.ignore_eos,
+                temperature=temperature,
+                top_p=1.0 if request.top_p is None else float(request.top_p),
+                top_k=top_k,
+                seed=request.seed,
+            )
+        except ValueError as e:
+            word = str(e).split(" ", 1)[0]
+            param = word if word in _SAMPLING_FIELDS else None
+            if param == "stop" or str(e).startswith("stop strings"):
+                param = "stop"
+            return bad_request(str(e), param)
+        return ids, params
+
+    async def _outputs(self, ids, params, request_id: str):
+        """Engine outputs with metrics; closing this generator aborts the engine request."""
+        m = self.metrics
+        t0 = time.monotonic()
+        first_at = None
+        seen_steps = 0
+        last = None
+        gen = self.engine.generate(ids, params, request_id)
+        try:
+            async for out in gen:
+                last = out
+                if first_at is None and out.new_token_ids:
+                    first_at = time.monotonic()
+                    m.ttft.observe(first_at - t0)
+                steps = out.stats.accepted_per_step
+                nodes = out.stats.tree_nodes_per_step
+                for i in range(seen_steps, len(steps)):
+                    m.accepted.observe(steps[i])
+                    if i < len(nodes):
+                        m.tree_nodes.observe(max(nodes[i], 1))
+                seen_steps = len(steps)
+                yield out
+        finally:
+            await gen.aclose()
+            end = time.monotonic()
+            m.prompt_tokens.inc(len(ids))
+            if last is not None and last.finished:
+                n_out = len(last.token_ids)
+                m.generated_tokens.inc(n_out)
+                m.e2e.observe(end - t0)
+                if first_at is not None and n_out > 1:
+                    m.tpot.observe((end - first_at) / (n_out - 1))
+                m.finished.inc(1, tags={"finish_reason": last.finish_reason.value})
+                self.num_finished += 1
+            else:
+                self.num_aborted += 1
+                if last is not None:
+                    m.generated_tokens.inc(len(last.token_ids))
+                m.finished.inc(1, tags={"finish_reason": "abort"})
+
+    @staticmethod
+    def _engine_error(e: BaseException) -> APIError:
+        from tr_serve.engine.async_engine import EngineDeadError
+
+        if isinstance(e, EngineDeadError):
+            return APIError(503, f"the model server is restarting: {e}", "service_unavailable_error",
+                            code="engine_dead", headers={"Retry-After": "5"})
+        if isinstance(e, ValueError):  # the engine refused the request (prompt too long, ...)
+            return bad_request(str(e))
+        logger.exception("tr_serve: request failed")
+        return APIError(500, f"internal error: {type(e).__name__}: {e}", "server_error")
+
+    def _tr(self, stats) -> dict[str, Any]:
+        return {"mat": round(stats.mat, 4), "verification_steps": stats.verification_steps,
+                "accepted_per_step": list(stats.accepted_per_step),
+                "tree_nodes_per_step": list(stats.tree_nodes_per_step), "tree": self.config.tree}
+
+    async def _full(self, request, request_id: str, chat: bool) -> Union[dict, APIError]:
+        prepared = self._prepare(request, chat)
+        if isinstance(prepared, APIError):
+            return prepared
+        ids, params = prepared
+        created = now()
+        last = None
+        try:
+            async with aclosing(self._outputs(ids, params, request_id)) as outputs:
+                async for out in outputs:
+                    last = out
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:
+            return self._engine_error(e)
+        if last is None:
+            return APIError(500, "the engine returned no output", "server_error")
+        reason = last.finish_reason.value if last.finish_reason else None
+        if chat:
+            choice = {"index": 0, "message": {"role": "assistant", "content": last.text}, "logprobs": None,
+                      "finish_reason": reason}
+            obj = "chat.completion"
+        else:
+            choice = {"index": 0, "text": last.text, "logprobs": None, "finish_reason": reason}
+            obj = "text_completion"
+        return {"id": request_id, "object": obj, "created": created, "model": self.model_id, "choices": [choice],
+                "usage": usage(len(ids), len(last.token_ids)), "tr": self._tr(last.stats)}
+
+    async def _stream(self, request, request_id: str, chat: bool) -> AsyncIterator[Union[dict, APIError]]:
+        """Yields an APIError (then stops) or OpenAI chunk dicts. The ingress frames them as SSE."""
+        prepared = self._prepare(request, chat)
+        if isinstance(prepared, APIError):
+            yield prepared
+            return
+        ids, params = prepared
+        created = now()
+        include_usage = request.include_usage
+        obj = "chat.completion.chunk" if chat else "text_completion"
+
+        def chunk(delta_or_text, reason=None, **extra) -> dict:
+            if chat:
+                choice = {"index": 0, "delta": delta_or_text, "logprobs": None, "finish_reason": reason}
+            else:
+                choice = {"index": 0, "text": delta_or_text, "logprobs": None, "finish_reason": reason}
+            out = {"id": request_id, "object": obj, "created": created, "model": self.model_id, "choices": [choice]}
+            if include_usage:
+                out["usage"] = None
+            out.update(extra)
+            return out
+
+        if chat:  # accepted: the role chunk goes out before the prefill
+            yield chunk({"role": "assistant", "content": ""})
+        last = None
+        try:
+            async with aclosing(self._outputs(ids, params, request_id)) as outputs:
+                async for out in outputs:
+                    last = out
+                    if out.new_text:
+                        yield chunk({"content": out.new_text} if chat else out.new_text)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:
+            yield self._engine_error(e)
+            return
+        if last is None:
+            yield APIError(500, "the engine returned no output", "server_error")
+            return
+        reason = last.finish_reason.value if last.finish_reason else None
+        yield chunk({} if chat else "", reason, tr=self._tr(last.stats))
+        if include_usage:
+            yield {"id": request_id, "object": obj, "created": created, "model": self.model_id, "choices": [],
+                   "usage": usage(len(ids), len(last.token_ids))}

@@ -1,0 +1,94 @@
+"""Cost-aware tree budget: how many template nodes to verify this step so that expected generated
+tokens per second is highest on this device, for this batch.
+
+Greedy or sampled, the tokens a step accepts form one chain of the tree, so the expected number of
+accepted drafts of a template prefix is the sum of its nodes' path-acceptance rates ``p_i``. The
+step emits that plus one bonus token per row and costs one forward over ``rows * (1 + n)`` query
+tokens, whose latency comes from a table measured on the device at start-up.
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass
+
+import torch
+
+from tr_serve.tr.tree import CompiledTree, path_prior
+
+
+class AcceptanceStats:
+    """Decayed per-node counts of "this node's whole path was correct".
+
+    The full template is always drafted, even when only a prefix is verified: a node whose parent
+    was verified (or whose path is already known to be wrong) still gets an observation, so the
+    estimates just past the current budget stay fresh and the budget can grow again.
+    """
+
+    def __init__(self, tree: CompiledTree, decay: float = 0.995, prior_weight: float = 4.0):
+        self.tree = tree
+        self.decay = decay
+        prior = torch.tensor([path_prior(p) for p in tree.template], dtype=torch.float64)
+        self.hits = prior * prior_weight
+        self.trials = torch.full_like(prior, prior_weight)
+
+    @property
+    def rates(self) -> torch.Tensor:
+        """Estimated p_i for nodes 1..n (index 0 here = node 1)."""
+        return self.hits / self.trials
+
+    def update(self, draft: torch.Tensor, choice: torch.Tensor) -> None:
+        """draft [b, N+1] drafted tokens of the full template; choice [b, v] the model's token after
+        each of the first ``v`` inputs (the root and the verified prefix of the template)."""
+        tree = self.tree
+        n = tree.num_nodes
+        b = draft.shape[0]
+        known = torch.zeros(b, n + 1, dtype=torch.bool)
+        ok = torch.zeros(b, n + 1, dtype=torch.bool)
+        known[:, 0] = True
+        ok[:, 0] = True
+        # level by level: a node's parent is resolved before the node
+        v = choice.shape[1]
+        choice, draft = choice.cpu(), draft.cpu()
+        for lo, hi in tree.level_slices:
+            idx = tree.level_order[lo:hi]  # [m]
+            par = tree.parents[idx]
+            par_verified = par < v  # the model's token after the parent is known
+            correct = draft[:, idx] == choice[:, par.clamp(max=v - 1)]
+            ok[:, idx] = ok[:, par] & correct & par_verified
+            known[:, idx] = torch.where(par_verified, known[:, par], known[:, par] & ~ok[:, par])
+        self.hits *= self.decay
+        self.trials *= self.decay
+        self.hits += ok[:, 1:].double().sum(0)
+        self.trials += known[:, 1:].double().sum(0)
+
+
+@dataclass(frozen=True)
+class LatencyTable:
+    """Forward latency (seconds) by total query tokens in the step, linearly interpolated."""
+
+    tokens: tuple[int, ...]
+    seconds: tuple[float, ...]
+
+    def __call__(self, q: int) -> float:
+        i = bisect.bisect_left(self.tokens, q)
+        if i < len(self.tokens) and self.tokens[i] == q:
+            return self.seconds[i]
+        if i == 0:
+            return self.seconds[0]
+        if i == len(self.tokens):  # extrapolate with the last slope
+            i = len(self.tokens) - 1
+        t0, t1 = self.tokens[i - 1], self.tokens[i]
+        s0, s1 = self.seconds[i - 1], self.seconds[i]
+        return s0 + (s1 - s0) * (q - t0) / (t1 - t0)
+
+
+def expected_rate(rates: torch.Tensor, latency: LatencyTable, rows: int, n: int) -> float:
+    """Expected generated tokens per second when every row verifies the first ``n`` nodes."""
+    accepted = float(rates[:n].sum()) if n else 0.0
+    return rows * (1.0 + accepted) / latency(rows * (1 + n))
+
+
+def choose_budget(rates: torch.Tensor, latency: LatencyTable, rows: int, candidates: tuple[int, ...]) -> int:
+    """The candidate prefix size with the highest expected tokens per second (0 = plain decoding)."""
+    return max(candidates, key=lambda n: (expected_rate(rates, latency, rows, n), -n))
