@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import os
+import sys
 
 import pytest
 
-from serve_testutil import SERVE_ENV
+sys.path.insert(0, os.path.dirname(__file__))  # serve_testutil, whatever pytest's import mode
+from serve_testutil import SERVE_ENV  # noqa: E402
 
 os.environ.update(SERVE_ENV)  # before anything imports ray
 

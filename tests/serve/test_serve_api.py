@@ -92,6 +92,13 @@ def test_list_models(app):
     assert app.client.models.retrieve(MODEL).id == MODEL
 
 
+def test_tr_stats_reports_the_engine_load(app):
+    s = wait_idle(app)
+    assert s["model"] == MODEL and s["engine_alive"] is True
+    assert (s["num_rows"], s["max_num_seqs"], s["kv_cache_usage"]) == (4, 4, 0.0)
+    assert s["num_prefilling"] == s["num_decoding"] == 0
+
+
 def test_completion_greedy_with_usage_and_tr_extension(app):
     r = app.client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=8,
                                       temperature=0)
@@ -109,7 +116,8 @@ def test_completion_length_and_stop(app):
     r = app.client.completions.create(model=MODEL, prompt="1, 2, 3, 4,", max_tokens=5, temperature=0,
                                       extra_body={"ignore_eos": True})
     assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 5
-    full = app.client.completions.create(model=MODEL, prompt="1, 2, 3, 4,", max_tokens=12, temperature=0).choices[0].text
+    full = app.client.completions.create(model=MODEL, prompt="1, 2, 3, 4,", max_tokens=12,
+                                         temperature=0).choices[0].text
     stop = full[len(full) // 2:len(full) // 2 + 2]
     assert stop.strip(), full
     for stops in ([stop, "never-seen-xyz"], stop):  # a list or one string
@@ -263,7 +271,7 @@ def test_openai_client_raises_the_matching_errors(app):
         app.client.chat.completions.create(model="nope", messages=CHAT)
     with pytest.raises(openai.BadRequestError) as e:
         app.client.chat.completions.create(model=MODEL, messages=CHAT, n=2)
-    assert e.value.param == "n" if hasattr(e.value, "param") else True
+    assert (e.value.param, e.value.code) == ("n", "unsupported_value")
     with pytest.raises(openai.BadRequestError):
         app.client.completions.create(model=MODEL, prompt="hi", max_tokens=MAX_MODEL_LEN + 1)
 
@@ -332,7 +340,9 @@ def test_overload_returns_429_with_retry_after(app):
     statuses = sorted(r.status_code for r in responses)
     assert set(statuses) <= {200, 429}, statuses
     rejected = [r for r in responses if r.status_code == 429]
-    assert rejected and statuses.count(200) >= 4, statuses
+    # Serve admits at least max_queued_requests of a simultaneous burst (its router may refuse more
+    # than strictly needed while requests are being assigned), and refuses some of 12
+    assert rejected and statuses.count(200) >= APP_ARGS["max_queued_requests"], statuses
     for r in rejected:
         assert r.headers["Retry-After"] == "2"
         assert r.json()["error"]["type"] == "rate_limit_error" and r.json()["error"]["code"] == "overloaded"
@@ -347,9 +357,10 @@ def test_overload_returns_429_with_retry_after(app):
 def test_metrics_record_outside_a_replica(app):
     from tr_serve.serve.metrics import IngressMetrics, ServerMetrics
 
-    m = ServerMetrics("unit-test-model", max_num_seqs=4)
-    m.on_step(SimpleNamespace(running=[1, 2], waiting=[3]))
-    m.on_step(SimpleNamespace(running=[1, 2], waiting=[3]))  # unchanged: gauges are not touched again
+    m = ServerMetrics("unit-test-model")
+    stats = {"running": 1, "prefilling": 1, "waiting": 1, "kv_rows_used": 2, "kv_rows": 4}  # AsyncEngine.stats()
+    m.on_step(stats)
+    m.on_step(dict(stats))  # unchanged: gauges are not touched again
     m.accepted.observe(3)
     m.tree_nodes.observe(4)
     IngressMetrics().request("unit-test-model", "/v1/completions", 200)

@@ -112,10 +112,49 @@ def test_unsupported_fields_are_rejected_with_their_param():
     msgs = [{"role": "user", "content": "hi"}]
     n2 = ChatCompletionRequest.model_validate({"model": "m", "messages": msgs, "n": 2}).unsupported()
     assert (n2.param, n2.message) == ("n", "n > 1 is not supported")
-    assert CompletionRequest.model_validate({"model": "m", "prompt": "x", "logprobs": 1}).unsupported().param == "logprobs"
+    logprobs = CompletionRequest.model_validate({"model": "m", "prompt": "x", "logprobs": 1}).unsupported()
+    assert logprobs.param == "logprobs"
     batch = CompletionRequest.model_validate({"model": "m", "prompt": ["a", "b"]}).single_prompt()
     assert batch.param == "prompt"
     assert CompletionRequest.model_validate({"model": "m", "prompt": [[1, 2]]}).single_prompt() == [1, 2]
     chat = ChatCompletionRequest.model_validate(
         {"model": "m", "messages": msgs, "max_tokens": 5, "max_completion_tokens": 7})
     assert (chat.requested_max_tokens(), chat.max_tokens_param) == (7, "max_completion_tokens")
+
+
+def test_engine_options_pass_through():
+    from tr_serve.engine.config import EngineConfig
+
+    assert TRServeConfig.from_args({}).engine_config() == EngineConfig(tree="2.2.2")  # engine defaults kept
+    cfg = TRServeConfig.from_args({"budget": "auto", "max_prefill_tokens": 64, "kv_cache_memory_gb": 0.5})
+    e = cfg.engine_config()
+    assert (e.budget, e.max_prefill_tokens, e.kv_cache_memory_gb) == ("auto", 64, 0.5)
+    for bad, key in (({"budget": "smart"}, "budget"), ({"max_prefill_tokens": 0}, "max_prefill_tokens"),
+                     ({"kv_cache_memory_gb": 0}, "kv_cache_memory_gb")):
+        with pytest.raises(ConfigError, match=key):
+            TRServeConfig.from_args(bad)
+
+
+def test_engine_load_from_async_engine_stats():
+    from tr_serve.serve.metrics import engine_load
+
+    load = engine_load({"running": 1, "prefilling": 2, "waiting": 4, "kv_rows_used": 3, "kv_rows": 6})
+    assert load == {"num_running": 3, "num_decoding": 1, "num_prefilling": 2, "num_waiting": 4, "num_rows": 6,
+                    "kv_cache_usage": 0.5}
+
+
+def test_health_check_fails_once_the_engine_is_not_alive():
+    from types import SimpleNamespace
+
+    from tr_serve.serve.server import LLMServer
+
+    server = LLMServer.__new__(LLMServer)  # no model: only the health check's use of the engine API
+    shutdowns = []
+    server.engine = SimpleNamespace(alive=True, error=None, shutdown=lambda: shutdowns.append(1))
+    server.check_health()
+    server.engine = SimpleNamespace(alive=False, error=None, shutdown=lambda: shutdowns.append(1))
+    with pytest.raises(RuntimeError, match="step thread gone"):
+        server.check_health()
+    server.engine = SimpleNamespace(alive=False, error=ValueError("boom"), shutdown=lambda: shutdowns.append(1))
+    with pytest.raises(RuntimeError, match="boom"):
+        server.check_health()

@@ -91,12 +91,23 @@ class AsyncEngine:
         self._thread.join(timeout=30)
 
     @property
+    def alive(self) -> bool:
+        """False once the step loop has died (an error) or was shut down."""
+        return self._thread.is_alive() and self.error is None
+
+    @property
     def num_running(self) -> int:
-        return len(self.engine.running)
+        """Requests holding a KV row (prefilling or decoding)."""
+        return len(self.engine.running) + len(self.engine.prefilling)
 
     @property
     def num_waiting(self) -> int:
         return len(self.engine.waiting)
+
+    def stats(self) -> dict[str, int]:
+        e = self.engine
+        return {"running": len(e.running), "prefilling": len(e.prefilling), "waiting": len(e.waiting),
+                "kv_rows_used": e.num_rows - len(e.free_rows), "kv_rows": e.num_rows}
 
     # ---- step thread ------------------------------------------------------------------------
     def _deliver(self, request_id: str, item) -> None:

@@ -20,6 +20,8 @@ class EngineConfig:
     device: str = "cpu"
     dtype: str = "auto"
     prompt_seeding: bool = False
+    max_prefill_tokens: int = 512  # prompt tokens per prefill step (chunked prefill)
+    kv_cache_memory_gb: float | None = None  # caps rows x max_model_len; None = max_num_seqs rows
     budget: str = "fixed"  # "fixed": verify the whole template; "auto": cost-aware prefix per step
 
     def __post_init__(self) -> None:
@@ -29,6 +31,10 @@ class EngineConfig:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.budget not in ("fixed", "auto"):
             raise ValueError(f"budget must be 'fixed' or 'auto', got {self.budget!r}")
+        if self.max_prefill_tokens < 1:
+            raise ValueError(f"max_prefill_tokens must be >= 1, got {self.max_prefill_tokens}")
+        if self.kv_cache_memory_gb is not None and self.kv_cache_memory_gb <= 0:
+            raise ValueError(f"kv_cache_memory_gb must be > 0, got {self.kv_cache_memory_gb}")
         if self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
 

@@ -18,7 +18,7 @@ from tr_serve.engine.request import FinishReason, Request, RequestOutput
 from tr_serve.engine.stopping import append_token
 from tr_serve.engine.timing import PhaseTimer
 from tr_serve.model_loader import LoadedModel
-from tr_serve.runner.model_runner import ModelRunner
+from tr_serve.runner.model_runner import ModelRunner, rows_within_budget
 from tr_serve.sampling_params import SamplingParams
 from tr_serve.tr.matrix import AdjacencyMatrix
 from tr_serve.tr.proposer import propose
@@ -45,7 +45,11 @@ class Engine:
             name, paths = load_template(config.tree, config.k)
             self.tree = compile_tree(paths, name=name)
         scratch = (self.tree.num_nodes if self.tree else 0) + 1
-        self.runner = ModelRunner(loaded.model, config.max_num_seqs, config.max_model_len + scratch)
+        max_len = config.max_model_len + scratch
+        dtype = next(loaded.model.parameters()).dtype
+        self.num_rows = rows_within_budget(loaded.model.config, max_len, dtype, config.max_num_seqs,
+                                           config.kv_cache_memory_gb)
+        self.runner = ModelRunner(loaded.model, self.num_rows, max_len)
         vocab = loaded.model.config.vocab_size
         self.matrix = matrix if matrix is not None else AdjacencyMatrix(vocab, config.k, device=self.runner.device)
         self.timer = timer or PhaseTimer(self.runner.device, enabled=False)
@@ -59,14 +63,16 @@ class Engine:
                 from tr_serve.runner.calibration import load_or_measure
 
                 self.acceptance = AcceptanceStats(self.tree)
-                max_q = config.max_num_seqs * (self.tree.num_nodes + 1)
+                max_q = self.num_rows * (self.tree.num_nodes + 1)
                 self.latency = load_or_measure(self.runner, loaded.model_id, max_q)
                 for n in _BUDGET_CANDIDATES:
                     if n < self.tree.num_nodes:
                         self._prefixes[n] = _PLAIN if n == 0 else self.tree.prefix(n)
         self.waiting: deque[Request] = deque()
-        self.running: list[Request] = []
-        self.free_rows: list[int] = list(range(config.max_num_seqs))
+        self.prefilling: list[Request] = []  # admitted, prompt not yet fully in the KV cache
+        self.running: list[Request] = []  # decoding
+        self._decode_turn = False
+        self.free_rows: list[int] = list(range(self.num_rows))
         self._by_id: dict[str, Request] = {}
 
     # ---- requests -------------------------------------------------------------------------
@@ -101,57 +107,79 @@ class Engine:
         # a running request is retired at the next step
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.prefilling or self.running)
 
     # ---- one step -------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        self._retire([r for r in self.running if r.finished])
-        if self.waiting and self.free_rows:
-            batch = self._admit()
-            self._prefill(batch)
+        """Admit what fits, then run one forward: a prefill chunk, or one tree per decoding row.
+        While prompts are being prefilled, prefill and decode steps alternate, so running
+        requests keep streaming behind a long prompt."""
+        self._retire([r for r in self.prefilling + self.running if r.finished])
+        self._admit()
+        if self.prefilling and not (self.running and self._decode_turn):
+            batch = self._prefill_chunk()
+            self._decode_turn = True
+            batch = [r for r in batch if r.output_ids]  # only requests whose prompt is complete
         elif self.running:
             batch = list(self.running)
             self._decode(batch)
+            self._decode_turn = False
         else:
             return []
         outputs = [r.take_output() for r in batch]
         self._retire([r for r in batch if r.finished])
         return outputs
 
-    def _admit(self) -> list[Request]:
-        batch = []
+    def _admit(self) -> None:
         while self.waiting and self.free_rows:
             req = self.waiting.popleft()
             req.row = self.free_rows.pop(0)
-            batch.append(req)
-        self.running.extend(batch)
-        return batch
+            self.prefilling.append(req)
 
     def _retire(self, done: list[Request]) -> None:
         for req in done:
-            if req in self.running:
-                self.running.remove(req)
-                self.runner.free(req.row)
-                self.free_rows.append(req.row)
-                self.free_rows.sort()
+            for queue in (self.prefilling, self.running):
+                if req in queue:
+                    queue.remove(req)
+                    self.runner.free(req.row)
+                    self.free_rows.append(req.row)
+                    self.free_rows.sort()
             self._by_id.pop(req.request_id, None)
 
-    def _prefill(self, batch: list[Request]) -> None:
+    def _prefill_chunk(self) -> list[Request]:
+        """One ragged forward over the next prompt chunk of as many prefilling requests as the
+        ``max_prefill_tokens`` budget allows; requests whose prompt is complete get their first
+        token and start decoding."""
+        budget = self.config.max_prefill_tokens
+        batch, chunks = [], []
+        for req in self.prefilling:
+            if budget <= 0:
+                break
+            chunk = req.prompt_ids[req.num_prefilled : req.num_prefilled + budget]
+            batch.append(req)
+            chunks.append(chunk)
+            budget -= len(chunk)
         rows = torch.tensor([r.row for r in batch])
         seeding = self.tree is not None and self.config.prompt_seeding
         with self.timer.phase("forward"):
-            last_logits, every = self.runner.prefill(rows, [r.prompt_ids for r in batch], all_positions=seeding)
-        first = [self._first_token(req, last_logits[i]) for i, req in enumerate(batch)]
-        if self.tree is not None:
-            with self.timer.phase("recycle"):
-                for i, req in enumerate(batch):
+            last_logits, every = self.runner.prefill(rows, chunks, all_positions=seeding)
+        done = []
+        for i, (req, chunk) in enumerate(zip(batch, chunks)):
+            req.num_prefilled += len(chunk)
+            if self.tree is not None:
+                with self.timer.phase("recycle"):
                     if seeding:
-                        self.matrix.recycle(torch.tensor(req.prompt_ids), every[i])
-                    else:
-                        self.matrix.recycle(torch.tensor(req.prompt_ids[-1:]), last_logits[i : i + 1])
+                        self.matrix.recycle(torch.tensor(chunk), every[i])
+                    elif req.num_prefilled == len(req.prompt_ids):
+                        self.matrix.recycle(torch.tensor(chunk[-1:]), last_logits[i : i + 1])
+            if req.num_prefilled == len(req.prompt_ids):
+                done.append((req, last_logits[i]))
         with self.timer.phase("postprocess"):
-            for req, token in zip(batch, first):
-                append_token(req, token, self.eos_ids, self._context_full(req))
+            for req, logits in done:
+                self.prefilling.remove(req)
+                self.running.append(req)
+                append_token(req, self._first_token(req, logits), self.eos_ids, self._context_full(req))
+        return batch
 
     def _first_token(self, req: Request, logits: torch.Tensor) -> int:
         p = req.params

@@ -55,7 +55,8 @@ class Request:
     detokenizer: IncrementalDetokenizer
     output_ids: list[int] = field(default_factory=list)
     stats: RequestStats = field(default_factory=RequestStats)
-    row: int = -1  # KV cache row while running
+    row: int = -1  # KV cache row while admitted
+    num_prefilled: int = 0  # prompt tokens already written to the KV cache
     finish_reason: FinishReason | None = None
     text: str = ""  # output text, cut at a stop string
     generator: torch.Generator | None = None  # per-request RNG of a sampled request
@@ -80,6 +81,8 @@ class Request:
         new_text = self.text[self._sent_chars : visible]
         new_ids = tuple(self.output_ids[self._sent_tokens :])
         self._sent_chars, self._sent_tokens = visible, len(self.output_ids)
+        stats = RequestStats(self.stats.prompt_tokens, list(self.stats.accepted_per_step),
+                             list(self.stats.tree_nodes_per_step))  # a snapshot: the engine goes on
         return RequestOutput(self.request_id, self.text if self.finished else self.text[:visible],
-                             list(self.output_ids), self.finished, self.finish_reason, self.stats,
+                             list(self.output_ids), self.finished, self.finish_reason, stats,
                              new_text, new_ids)

@@ -26,6 +26,26 @@ def build_step_mask(starts: torch.Tensor, local: torch.Tensor, kv_len: int, dtyp
     return mask
 
 
+def kv_bytes_per_row(config, max_len: int, dtype: torch.dtype) -> int:
+    """Bytes of K and V for one sequence of ``max_len`` tokens over all layers."""
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    return 2 * config.num_hidden_layers * kv_heads * head_dim * max_len * itemsize
+
+
+def rows_within_budget(config, max_len: int, dtype: torch.dtype, max_rows: int, budget_gb: float | None) -> int:
+    """How many sequences the preallocated cache holds: ``max_rows``, fewer if the memory budget
+    says so. The cache never grows after start-up, so serving can never run out of KV memory."""
+    if budget_gb is None:
+        return max_rows
+    rows = int(budget_gb * 2**30 // kv_bytes_per_row(config, max_len, dtype))
+    if rows < 1:
+        need = kv_bytes_per_row(config, max_len, dtype) / 2**30
+        raise ValueError(f"kv_cache_memory_gb={budget_gb} is too small for one sequence of {max_len} tokens ({need:.3f} GiB)")
+    return min(rows, max_rows)
+
+
 class ModelRunner:
     """Owns the model and its KV cache of ``num_rows`` sequences of at most ``max_len`` tokens."""
 

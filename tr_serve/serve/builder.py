@@ -44,7 +44,8 @@ def build_llm_deployment(config: TRServeConfig | dict, name_prefix: str = SERVER
     return deployment.bind(config.model_copy(update={"api_keys": []}))  # keys stay at the edge
 
 
-def build_openai_app(configs: Sequence[TRServeConfig | dict], ingress_config: TRServeConfig | None = None) -> Application:
+def build_openai_app(configs: Sequence[TRServeConfig | dict],
+                     ingress_config: TRServeConfig | None = None) -> Application:
     """Ingress in front of one model server per config (model ids must be distinct). The ingress
     options and API keys come from ``ingress_config`` (default: the first config)."""
     configs = [TRServeConfig.from_args(c) for c in configs]

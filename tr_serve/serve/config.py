@@ -12,7 +12,8 @@ import os
 import re
 from typing import Any, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, ValidationInfo, field_validator, model_validator
+from pydantic import (BaseModel, ConfigDict, Field, SecretStr, ValidationError, ValidationInfo, field_validator,
+                      model_validator)
 
 API_KEYS_ENV = "TR_SERVE_API_KEYS"
 
@@ -68,13 +69,19 @@ class TRServeConfig(BaseModel):
                        description="directory, .gguf file, hub id, or the embedded alias")
     model_id: Optional[str] = Field(default=None, min_length=1,
                                     description="name clients send in `model`; default: `model`")
-    k: int = Field(default=8, ge=1, description="matrix candidates per token (before `tree`: the tree is checked against it)")
+    # k comes before tree: the tree is checked against it
+    k: int = Field(default=8, ge=1, description="matrix candidates per token")
     tree: str = Field(default="2.2.2", min_length=1, description="tree template name, JSON file, or 'none'")
     max_num_seqs: int = Field(default=8, ge=1)
     max_model_len: int = Field(default=2048, ge=2)
     device: str = "cpu"
     dtype: str = "auto"
     prompt_seeding: bool = False
+    budget: Literal["fixed", "auto"] = Field(
+        default="fixed", description="tree budget: 'fixed' = whole template, 'auto' = cost-aware prefix per step")
+    max_prefill_tokens: int = Field(default=512, ge=1, description="prompt tokens per prefill step (chunked prefill)")
+    kv_cache_memory_gb: Optional[float] = Field(default=None, gt=0,
+                                                description="caps KV rows x max_model_len; default: max_num_seqs rows")
     cpu_threads: Optional[int] = Field(default=None, ge=1, description="torch.set_num_threads in the model replica")
 
     # ---- HTTP API ---------------------------------------------------------------------------
@@ -145,6 +152,10 @@ class TRServeConfig(BaseModel):
     @model_validator(mode="after")
     def _cross(self):
         _check_scaling(self.num_replicas, self.autoscaling_config, self.model_fields_set)
+        try:
+            self.engine_config()
+        except (TypeError, ValueError) as e:  # the engine's own checks
+            raise ValueError(f"engine config: {e}") from None
         if self.placement_group_strategy is not None and self.placement_group_bundles is None:
             raise ValueError("placement_group_strategy needs placement_group_bundles")
         return self
@@ -159,7 +170,8 @@ class TRServeConfig(BaseModel):
 
         return EngineConfig(model=self.model, tree=self.tree, k=self.k, max_num_seqs=self.max_num_seqs,
                             max_model_len=self.max_model_len, device=self.device, dtype=self.dtype,
-                            prompt_seeding=self.prompt_seeding)
+                            prompt_seeding=self.prompt_seeding, max_prefill_tokens=self.max_prefill_tokens,
+                            kv_cache_memory_gb=self.kv_cache_memory_gb, budget=self.budget)
 
     def resolved_api_keys(self, include_env: bool = True) -> list[str]:
         keys = [k.get_secret_value() for k in self.api_keys]
@@ -236,7 +248,8 @@ def _check_autoscaling(value):
 
     unknown = sorted(set(value) - set(AutoscalingConfig.model_fields))
     if unknown:
-        raise ValueError(f"unknown key(s) {unknown}; Serve's autoscaling_config takes {sorted(AutoscalingConfig.model_fields)}")
+        raise ValueError(f"unknown key(s) {unknown}; Serve's autoscaling_config takes "
+                         f"{sorted(AutoscalingConfig.model_fields)}")
     try:
         AutoscalingConfig.model_validate(value)
     except ValidationError as e:

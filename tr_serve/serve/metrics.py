@@ -32,9 +32,8 @@ class IngressMetrics:
 class ServerMetrics:
     """Request-level metrics (asyncio side) and engine gauges (``on_step``, engine thread)."""
 
-    def __init__(self, model_id: str, max_num_seqs: int) -> None:
+    def __init__(self, model_id: str) -> None:
         tags = ("model",)
-        self.max_num_seqs = max_num_seqs
         self.ttft = Histogram("tr_serve_time_to_first_token_seconds",
                               description="Time from the request reaching the model server to its first token.",
                               boundaries=_LATENCY_S, tag_keys=tags)
@@ -60,30 +59,43 @@ class ServerMetrics:
                                     boundaries=_NODES, tag_keys=tags)
         self.steps = Counter("tr_serve_engine_steps", description="Engine steps (prefill or verify).",
                              tag_keys=tags)
-        self.running = Gauge("tr_serve_num_requests_running", description="Requests holding a KV cache row.",
+        self.running = Gauge("tr_serve_num_requests_running",
+                             description="Requests holding a KV cache row (prefilling or decoding).",
                              tag_keys=tags)
         self.waiting = Gauge("tr_serve_num_requests_waiting", description="Requests waiting for a KV cache row.",
                              tag_keys=tags)
         self.kv_usage = Gauge("tr_serve_kv_cache_usage",
-                              description="Fraction of KV cache rows in use (running / max_num_seqs).",
+                              description="Fraction of KV cache rows in use (rows used / KV rows).",
                               tag_keys=tags)
         for m in (self.ttft, self.tpot, self.e2e, self.prompt_tokens, self.generated_tokens, self.accepted,
                   self.tree_nodes, self.steps, self.running, self.waiting, self.kv_usage):
             m.set_default_tags({"model": model_id})
         self.finished.set_default_tags({"model": model_id})
-        self._last = (-1, -1)
+        self._last: tuple = ()
         self._lock = threading.Lock()
 
-    def on_step(self, engine) -> None:
-        """AsyncEngine's per-step callback (engine thread): a few integer reads, gauges only on change."""
+    def on_step(self, stats: dict[str, int]) -> None:
+        """Per engine step (engine thread), with ``AsyncEngine.stats()``: gauges only on change."""
         self.steps.inc(1)
-        self.engine_gauges(len(engine.running), len(engine.waiting))
+        self.engine_gauges(stats)
 
-    def engine_gauges(self, running: int, waiting: int) -> None:
+    def engine_gauges(self, stats: dict[str, int]) -> None:
+        load = engine_load(stats)
+        key = (load["num_running"], load["num_waiting"], stats["kv_rows_used"], load["num_rows"])
         with self._lock:
-            if (running, waiting) == self._last:
+            if key == self._last:
                 return
-            self._last = (running, waiting)
-        self.running.set(running)
-        self.waiting.set(waiting)
-        self.kv_usage.set(running / self.max_num_seqs)
+            self._last = key
+        self.running.set(load["num_running"])
+        self.waiting.set(load["num_waiting"])
+        self.kv_usage.set(load["kv_cache_usage"])
+
+
+def engine_load(stats: dict[str, int]) -> dict[str, int | float]:
+    """The load fields of ``/v1/tr/stats`` and of the gauges, from ``AsyncEngine.stats()``:
+    ``num_running`` counts every request holding a KV row (prefilling + decoding), as
+    ``AsyncEngine.num_running`` does."""
+    rows = stats["kv_rows"]
+    return {"num_running": stats["running"] + stats["prefilling"], "num_decoding": stats["running"],
+            "num_prefilling": stats["prefilling"], "num_waiting": stats["waiting"], "num_rows": rows,
+            "kv_cache_usage": stats["kv_rows_used"] / rows if rows else 0.0}

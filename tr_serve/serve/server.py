@@ -44,9 +44,11 @@ class LLMServer:
         self.tokenizer = loaded.tokenizer
         self.vocab_size = int(loaded.model.config.vocab_size)
         self.max_model_len = engine_config.max_model_len
-        self.metrics = ServerMetrics(self.model_id, engine_config.max_num_seqs)
-        self.engine = AsyncEngine(Engine(loaded, engine_config), on_step=self.metrics.on_step)
-        self.metrics.engine_gauges(0, 0)
+        self.metrics = ServerMetrics(self.model_id)
+        # the step thread only steps once a request came through self.engine, so self.engine is set by then
+        self.engine = AsyncEngine(Engine(loaded, engine_config),
+                                  on_step=lambda _engine: self.metrics.on_step(self.engine.stats()))
+        self.metrics.engine_gauges(self.engine.stats())
         self.num_finished = 0  # requests that ran to a finish_reason
         self.num_aborted = 0  # requests whose caller left first (client disconnect, cancellation)
         logger.info("tr_serve: %s loaded as %r in %.1f s (tree %s, max_num_seqs %d, max_model_len %d, device %s)",
@@ -55,10 +57,9 @@ class LLMServer:
 
     # ---- Serve hooks --------------------------------------------------------------------------
     def check_health(self) -> None:
-        if self.engine.error is not None:
-            raise RuntimeError(f"engine stopped after an error: {self.engine.error}")
-        if not self.engine._thread.is_alive():
-            raise RuntimeError("engine step thread is not running")
+        if not self.engine.alive:
+            reason = f"after an error: {self.engine.error}" if self.engine.error is not None else "(step thread gone)"
+            raise RuntimeError(f"engine stopped {reason}")
 
     def __del__(self) -> None:
         engine = getattr(self, "engine", None)
@@ -67,11 +68,12 @@ class LLMServer:
 
     # ---- methods called through the handle ------------------------------------------------------
     async def engine_stats(self) -> dict[str, Any]:
-        """Load of this replica (no matrix contents)."""
-        running, waiting = self.engine.num_running, self.engine.num_waiting
-        return {"model": self.model_id, "num_running": running, "num_waiting": waiting,
-                "max_num_seqs": self.config.max_num_seqs, "kv_cache_usage": running / self.config.max_num_seqs,
-                "tree": self.config.tree, "engine_alive": self.engine.error is None,
+        """Load of this replica (no matrix contents). ``num_running`` counts every request that
+        holds a KV row (prefilling or decoding)."""
+        from tr_serve.serve.metrics import engine_load
+
+        return {"model": self.model_id, **engine_load(self.engine.stats()), "max_num_seqs": self.config.max_num_seqs,
+                "tree": self.config.tree, "engine_alive": self.engine.alive,
                 "requests_finished": self.num_finished, "requests_aborted": self.num_aborted}
 
     async def completions(self, request: CompletionRequest, request_id: str) -> Union[dict, APIError]:
@@ -133,9 +135,9 @@ class LLMServer:
             max_tokens = limit - n
         elif n + max_tokens > limit:
             param = request.max_tokens_param
-            return bad_request(f"this model's maximum context length is {limit} tokens; the prompt has {n} tokens and "
-                               f"{param} is {max_tokens} ({n + max_tokens} in all): lower {param} or shorten the prompt",
-                               param, "context_length_exceeded")
+            return bad_request(f"this model's maximum context length is {limit} tokens; the prompt has {n} tokens "
+                               f"and {param} is {max_tokens} ({n + max_tokens} in all): lower {param} or shorten "
+                               "the prompt", param, "context_length_exceeded")
         top_k = request.top_k if request.top_k not in (None, -1) else 0
         if top_k >= self.vocab_size:  # keeps every token: the same as off
             top_k = 0
@@ -179,7 +181,7 @@ class LLMServer:
                 for i in range(seen_steps, len(steps)):
                     m.accepted.observe(steps[i])
                     if i < len(nodes):
-                        m.tree_nodes.observe(max(nodes[i], 1))
+                        m.tree_nodes.observe(nodes[i])
                 seen_steps = len(steps)
                 yield out
         finally:
@@ -214,8 +216,8 @@ class LLMServer:
 
     def _tr(self, stats) -> dict[str, Any]:
         return {"mat": round(stats.mat, 4), "verification_steps": stats.verification_steps,
-                "accepted_per_step": list(stats.accepted_per_step),
-                "tree_nodes_per_step": list(stats.tree_nodes_per_step), "tree": self.config.tree}
+                "accepted_per_step": stats.accepted_per_step,  # RequestOutput.stats is a snapshot
+                "tree_nodes_per_step": stats.tree_nodes_per_step, "tree": self.config.tree}
 
     async def _full(self, request, request_id: str, chat: bool) -> Union[dict, APIError]:
         prepared = self._prepare(request, chat)

@@ -1,0 +1,106 @@
+"""Token Recycling is lossless: greedy TR output equals ``model.generate(do_sample=False)`` token for
+token, on Spec-Bench prompts from many categories, for several tree templates, with a cold
+adjacency matrix (fresh engine) and a hot one (one engine reused over every prompt)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from tr_serve import LLM, SamplingParams
+from tr_serve.llm import encode_prompt
+
+SPEC_BENCH = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "spec_bench_dev.jsonl"
+NEW_TOKENS = 64
+NUM_PROMPTS = 12  # hot-matrix runs
+NUM_COLD = 4  # cold-matrix runs (a fresh engine per prompt)
+MAX_PROMPT_TOKENS = 600
+TEMPLATES = ["2.2.2", "top8", "chain4"]
+
+
+@pytest.fixture(scope="session")
+def bench_prompts(loaded) -> list[tuple[str, int, list[int]]]:
+    """(category, question_id, chat-encoded ids): the first short-enough question of each category,
+    categories in file order."""
+    rows = [json.loads(line) for line in SPEC_BENCH.read_text().splitlines() if line.strip()]
+    chosen, seen = [], set()
+    for row in rows:
+        if row["category"] in seen:
+            continue
+        ids = encode_prompt(loaded.tokenizer, [{"role": "user", "content": row["turns"][0]}])
+        if len(ids) > MAX_PROMPT_TOKENS:
+            continue
+        seen.add(row["category"])
+        chosen.append((row["category"], row["question_id"], ids))
+        if len(chosen) == NUM_PROMPTS:
+            break
+    assert len(chosen) == NUM_PROMPTS
+    assert len({c for c, _, _ in chosen}) >= 6
+    return chosen
+
+
+@pytest.fixture(scope="session")
+def references(loaded, bench_prompts) -> list[list[int]]:
+    """Plain greedy continuations from transformers, computed once per prompt."""
+    out = []
+    for _, _, ids in bench_prompts:
+        with torch.inference_mode():
+            gen = loaded.model.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=NEW_TOKENS)
+        out.append(gen[0, len(ids):].tolist())
+    return out
+
+
+def first_difference(a: list[int], b: list[int]) -> str:
+    i = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+    return f"first difference at token {i}: got {a[i:i + 4]} want {b[i:i + 4]} (lengths {len(a)} / {len(b)})"
+
+
+def check(out, want: list[int], what: str) -> None:
+    assert out.token_ids == want, f"{what}: {first_difference(out.token_ids, want)}"
+    if len(want) == NEW_TOKENS:
+        assert out.finish_reason.value == "length", what
+    else:  # generate stopped early: it emitted an EOS
+        assert out.finish_reason.value == "stop", what
+
+
+def test_references_are_sane(loaded, bench_prompts, references):
+    for (cat, qid, _), ref in zip(bench_prompts, references):
+        assert 0 < len(ref) <= NEW_TOKENS, (cat, qid)
+        assert len(ref) == NEW_TOKENS or ref[-1] in loaded.eos_token_ids, (cat, qid)
+
+
+@pytest.mark.parametrize("tree", TEMPLATES)
+def test_lossless_hot_matrix(loaded, bench_prompts, references, tree):
+    llm = LLM(tree=tree, loaded=loaded, max_num_seqs=1)
+    params = SamplingParams(max_tokens=NEW_TOKENS)
+    mats = []
+    for (cat, qid, ids), want in zip(bench_prompts, references):
+        out = llm.generate([ids], params)[0]
+        check(out, want, f"tree {tree}, hot matrix, {cat} q{qid}")
+        mats.append(out.stats.mat)
+    mean = sum(mats) / len(mats)
+    print(f"\n{tree} hot-matrix MAT per prompt: {[round(m, 2) for m in mats]}, mean {mean:.2f}")
+    if tree == "2.2.2":
+        assert mean > 1.3, f"mean MAT {mean:.2f} over {len(mats)} prompts: drafting does not seem to work"
+
+
+@pytest.mark.parametrize("tree", TEMPLATES)
+def test_lossless_cold_matrix(loaded, bench_prompts, references, tree):
+    params = SamplingParams(max_tokens=NEW_TOKENS)
+    for (cat, qid, ids), want in list(zip(bench_prompts, references))[:NUM_COLD]:
+        llm = LLM(tree=tree, loaded=loaded, max_num_seqs=1)
+        assert llm.engine.matrix.num_filled_rows() == 0
+        out = llm.generate([ids], params)[0]
+        check(out, want, f"tree {tree}, cold matrix, {cat} q{qid}")
+
+
+def test_lossless_batched_rows(loaded, bench_prompts, references):
+    """Several requests verified in one forward (ragged rows of the slot cache) stay lossless."""
+    n, new = 3, 32
+    llm = LLM(tree="top8", loaded=loaded, max_num_seqs=n)
+    outs = llm.generate([ids for _, _, ids in bench_prompts[:n]], SamplingParams(max_tokens=new))
+    for (cat, qid, _), want, out in zip(bench_prompts, references, outs):
+        assert out.token_ids == want[:new], f"batched {cat} q{qid}: {first_difference(out.token_ids, want[:new])}"

@@ -1,0 +1,51 @@
+"""Cost-aware budget: acceptance statistics, latency interpolation, the budget choice."""
+
+from __future__ import annotations
+
+import torch
+
+from tr_serve.tr.budget import AcceptanceStats, LatencyTable, choose_budget, expected_rate
+from tr_serve.tr.tree import compile_tree
+
+
+def _tree():
+    # 1=(0,) 2=(1,) 3=(0,0) 4=(0,0,0)
+    return compile_tree([(0,), (1,), (0, 0), (0, 0, 0)])
+
+
+def test_stats_count_only_known_outcomes():
+    tree = _tree()
+    stats = AcceptanceStats(tree, decay=1.0, prior_weight=0.0)
+    draft = torch.tensor([[10, 11, 12, 13, 14]])
+    # verified root + node 1 + node 2 (prefix of 2 nodes): choice after root=11, after node1=13
+    choice = torch.tensor([[11, 13, 0]])
+    stats.update(draft, choice)
+    # node1 correct (11), node2 wrong (12 != 11), node3 correct (13 after node1), node4 unknown
+    assert stats.trials.tolist() == [1.0, 1.0, 1.0, 0.0]
+    assert stats.hits.tolist() == [1.0, 0.0, 1.0, 0.0]
+
+
+def test_stats_failed_ancestor_makes_unverified_descendants_known_wrong():
+    tree = _tree()
+    stats = AcceptanceStats(tree, decay=1.0, prior_weight=0.0)
+    draft = torch.tensor([[10, 11, 12, 13, 14]])
+    choice = torch.tensor([[99]])  # only the root verified (plain decoding): both children wrong
+    stats.update(draft, choice)
+    assert stats.trials.tolist() == [1.0, 1.0, 1.0, 1.0]  # node 3 and 4 descend from wrong node 1
+    assert stats.hits.tolist() == [0.0, 0.0, 0.0, 0.0]
+
+
+def test_latency_table_interpolates_and_extrapolates():
+    t = LatencyTable((1, 3, 5), (1.0, 2.0, 4.0))
+    assert t(1) == 1.0 and t(2) == 1.5 and t(4) == 3.0
+    assert t(7) == 6.0  # last slope
+    assert t(0) == 1.0
+
+
+def test_budget_grows_when_forwards_are_flat_and_shrinks_when_linear():
+    rates = torch.tensor([0.6, 0.3, 0.2, 0.1])
+    flat = LatencyTable((1, 64), (1.0, 1.1))  # GPU-like: more tokens nearly free
+    linear = LatencyTable((1, 64), (1.0, 64.0))  # every token costs a full forward
+    assert choose_budget(rates, flat, 1, (0, 1, 2, 4)) == 4
+    assert choose_budget(rates, linear, 1, (0, 1, 2, 4)) == 0
+    assert expected_rate(rates, flat, 2, 0) == 2 / flat(2)

@@ -1,0 +1,118 @@
+"""The adjacency matrix: recycle semantics and dirty-row tracking."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tr_serve.tr.matrix import EMPTY, AdjacencyMatrix
+
+V = 10
+
+
+def logits_ranking(order: list[int]) -> torch.Tensor:
+    """Logits [V] whose descending order starts with ``order``; other tokens far below."""
+    x = torch.full((V,), -100.0)
+    for rank, tok in enumerate(order):
+        x[tok] = 10.0 - rank
+    return x
+
+
+def test_new_matrix_is_empty():
+    m = AdjacencyMatrix(V, k=3)
+    assert m.table.shape == (V, 3)
+    assert m.table.dtype == torch.int32
+    assert bool((m.table == EMPTY).all())
+    assert m.num_filled_rows() == 0
+    assert m.take_dirty_rows().tolist() == []
+
+
+def test_k_must_be_positive():
+    with pytest.raises(ValueError, match="k must be >= 1"):
+        AdjacencyMatrix(V, k=0)
+
+
+def test_recycle_writes_top_k_of_each_input_token():
+    m = AdjacencyMatrix(V, k=3)
+    tokens = torch.tensor([2, 5])
+    logits = torch.stack([logits_ranking([7, 1, 9, 4]), logits_ranking([0, 3, 8])])
+    m.recycle(tokens, logits)
+    assert m.table[2].tolist() == [7, 1, 9]  # best first, only k kept
+    assert m.table[5].tolist() == [0, 3, 8]
+    others = [i for i in range(V) if i not in (2, 5)]
+    assert bool((m.table[others] == EMPTY).all())
+    assert m.num_filled_rows() == 2
+
+
+def test_recycle_overwrites_whole_row():
+    m = AdjacencyMatrix(V, k=3)
+    m.recycle(torch.tensor([4]), logits_ranking([1, 2, 3])[None])
+    m.recycle(torch.tensor([4]), logits_ranking([9, 8, 7])[None])
+    assert m.table[4].tolist() == [9, 8, 7]
+
+
+def test_recycle_accepts_tree_shaped_inputs():
+    # the engine passes draft [b, n+1] and logits [b, n+1, V]
+    m = AdjacencyMatrix(V, k=2)
+    tokens = torch.tensor([[1, 2], [3, 6]])
+    logits = torch.stack(
+        [
+            torch.stack([logits_ranking([5, 6]), logits_ranking([7, 8])]),
+            torch.stack([logits_ranking([0, 9]), logits_ranking([2, 1])]),
+        ]
+    )
+    m.recycle(tokens, logits)
+    assert m.table[1].tolist() == [5, 6]
+    assert m.table[2].tolist() == [7, 8]
+    assert m.table[3].tolist() == [0, 9]
+    assert m.table[6].tolist() == [2, 1]
+
+
+def test_empty_tokens_are_skipped():
+    m = AdjacencyMatrix(V, k=2)
+    m.recycle(torch.tensor([3]), logits_ranking([1, 2])[None])
+    tokens = torch.tensor([EMPTY, 4, EMPTY])
+    logits = torch.stack([logits_ranking([8, 9]), logits_ranking([5, 6]), logits_ranking([0, 7])])
+    m.recycle(tokens, logits)
+    assert m.table[4].tolist() == [5, 6]
+    assert m.table[3].tolist() == [1, 2]  # untouched
+    # EMPTY must not have been used as an index (it would hit the last row)
+    assert m.table[V - 1].tolist() == [EMPTY, EMPTY]
+    assert m.num_filled_rows() == 2
+
+
+def test_all_empty_is_a_no_op():
+    m = AdjacencyMatrix(V, k=2)
+    m.recycle(torch.tensor([EMPTY, EMPTY]), torch.randn(2, V))
+    assert m.num_filled_rows() == 0
+    assert m.take_dirty_rows().tolist() == []
+
+
+def test_repeated_token_last_occurrence_wins():
+    m = AdjacencyMatrix(V, k=2)
+    tokens = torch.tensor([6, 1, 6])
+    logits = torch.stack([logits_ranking([1, 2]), logits_ranking([3, 4]), logits_ranking([8, 9])])
+    m.recycle(tokens, logits)
+    assert m.table[6].tolist() == [8, 9]
+    assert m.table[1].tolist() == [3, 4]
+
+
+def test_dirty_rows_are_reported_once():
+    m = AdjacencyMatrix(V, k=2)
+    m.recycle(torch.tensor([7, 2, 7]), torch.randn(3, V))
+    assert m.take_dirty_rows().tolist() == [2, 7]
+    assert m.take_dirty_rows().tolist() == []
+    m.recycle(torch.tensor([EMPTY, 5]), torch.randn(2, V))
+    assert m.take_dirty_rows().tolist() == [5]
+    assert m.take_dirty_rows().tolist() == []
+    # the table keeps its content after the dirty set is taken
+    assert m.num_filled_rows() == 3
+
+
+def test_clear():
+    m = AdjacencyMatrix(V, k=2)
+    m.recycle(torch.tensor([1, 2]), torch.randn(2, V))
+    m.clear()
+    assert m.num_filled_rows() == 0
+    assert bool((m.table == EMPTY).all())
+    assert m.take_dirty_rows().tolist() == []
