@@ -51,7 +51,7 @@ def test_tree_sampling_keeps_the_model_distribution(tokenizer):
     the exact distribution computed from the model; the matrix is warm so drafts are accepted."""
     loaded = tiny_loaded(tokenizer, seed=1, init_range=0.6)
     model = loaded.model
-    prompt = [17, 230, 1042]
+    prompt = [17, 230, 402]
     temperature, top_k = 1.0, 6
     engine = Engine(loaded, EngineConfig(model="tiny", tree="2.2.2", max_num_seqs=64, max_model_len=64))
 
