@@ -68,3 +68,16 @@ def test_streamed_deltas_add_up_and_prompt_too_long_fails_at_once(async_engine):
 
     text, final = asyncio.run(main())
     assert text == final.text
+
+
+def test_call_between_steps_runs_on_the_step_thread(async_engine):
+    import threading
+
+    async def main():
+        name = await async_engine.call_between_steps(lambda engine: threading.current_thread().name)
+        with pytest.raises(ZeroDivisionError):
+            await async_engine.call_between_steps(lambda engine: 1 / 0)
+        return name
+
+    assert asyncio.run(main()) == "tr-serve-engine"
+    assert async_engine.alive

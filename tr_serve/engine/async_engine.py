@@ -31,6 +31,15 @@ class _Stream:
     outputs: asyncio.Queue
 
 
+def _settle(future: asyncio.Future, result, error) -> None:
+    if future.cancelled():
+        return
+    if error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(result)
+
+
 class AsyncEngine:
     def __init__(self, engine: Engine, on_step: Callable[[Engine], None] | None = None):
         self.engine = engine
@@ -85,6 +94,15 @@ class AsyncEngine:
         self._commands.put(("abort", request_id))
         self._wake.set()
 
+    def call_between_steps(self, fn: Callable[[Engine], object]) -> "asyncio.Future":
+        """Run ``fn(engine)`` on the step thread between two steps (e.g. adopt a new matrix);
+        the returned future (of the caller's loop) resolves to its result or exception."""
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+        self._commands.put(("call", fn, loop, future))
+        self._wake.set()
+        return future
+
     def shutdown(self) -> None:
         self._stopped = True
         self._wake.set()
@@ -129,6 +147,13 @@ class AsyncEngine:
                     self._deliver(request_id, e)
             elif cmd[0] == "abort":
                 self.engine.abort(cmd[1])
+            elif cmd[0] == "call":
+                _, fn, loop, future = cmd
+                try:
+                    result, error = fn(self.engine), None
+                except Exception as e:  # reported to the caller; the engine goes on
+                    result, error = None, e
+                loop.call_soon_threadsafe(_settle, future, result, error)
 
     def _loop(self) -> None:
         while not self._stopped:
