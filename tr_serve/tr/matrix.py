@@ -23,7 +23,8 @@ class AdjacencyMatrix:
         """Overwrite the rows of ``tokens`` [n] with the top-k of their next-token ``logits`` [n, V].
 
         Tokens that are :data:`EMPTY` (tree nodes that drafted nothing) are skipped. When a token
-        occurs at several nodes, the last occurrence wins, which is deterministic on every device.
+        occurs at several nodes, its last occurrence wins: duplicates are dropped before the write,
+        because an indexed write with repeated indices has no defined winner on GPUs.
         """
         tokens = tokens.reshape(-1)
         logits = logits.reshape(tokens.numel(), -1)
@@ -32,9 +33,16 @@ class AdjacencyMatrix:
             tokens, logits = tokens[valid], logits[valid]
         if tokens.numel() == 0:
             return
-        top = torch.topk(logits, self.k, dim=-1).indices.to(torch.int32)
         tokens = tokens.to(self.table.device)
-        self.table[tokens] = top.to(self.table.device)
+        logits = logits.to(self.table.device)
+        position = torch.arange(tokens.numel(), device=tokens.device)
+        last = torch.full((self.vocab_size,), -1, dtype=torch.long, device=tokens.device)
+        last.scatter_reduce_(0, tokens, position, reduce="amax")
+        keep = last[tokens] == position
+        if not bool(keep.all()):
+            tokens, logits = tokens[keep], logits[keep]
+        top = torch.topk(logits, self.k, dim=-1).indices.to(torch.int32)
+        self.table[tokens] = top
         self._dirty[tokens] = True
 
     def take_dirty_rows(self) -> torch.Tensor:
