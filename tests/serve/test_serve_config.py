@@ -34,19 +34,19 @@ def test_cpu_yaml_binds_loopback_port_8000_and_the_embedded_model():
     assert (cfg.model, cfg.device, cfg.tree) == ("smollm2-135m-instruct", "cpu", "top4")
 
 
-def test_llama70b_yaml_builds_an_8_gpu_strict_pack_replica():
+def test_llama70b_yaml_builds_an_8_gpu_tensor_parallel_replica():
     from tr_serve.serve.builder import build_app
 
     args = yaml.safe_load((CONFIGS / "llama70b.yaml").read_text())["applications"][0]["args"]
     cfg = TRServeConfig.from_args(args)
     opts = cfg.server_deployment_options()
-    assert opts["placement_group_bundles"] == [{"GPU": 1}] * 8
+    assert opts["placement_group_bundles"] == [{"CPU": 1}] + [{"GPU": 1}] * 8  # the replica, then 8 TP workers
+    assert cfg.tensor_parallel_size == 8
     assert opts["placement_group_strategy"] == "STRICT_PACK"
     assert opts["autoscaling_config"]["min_replicas"] == 1 and opts["autoscaling_config"]["max_replicas"] == 4
     assert "num_replicas" not in opts
     assert opts["max_ongoing_requests"] == 64 and opts["max_queued_requests"] == 256
     assert (cfg.dtype, cfg.device, cfg.tree) == ("bfloat16", "cuda", "2.2.2")
-    assert "tensor_parallel_size" not in TRServeConfig.model_fields  # not until the engine has it
     build_app(args)  # Serve's own option checks (actor must fit the first bundle) pass
 
 
@@ -150,11 +150,11 @@ def test_health_check_fails_once_the_engine_is_not_alive():
 
     server = LLMServer.__new__(LLMServer)  # no model: only the health check's use of the engine API
     shutdowns = []
-    server.engine = SimpleNamespace(alive=True, error=None, shutdown=lambda: shutdowns.append(1))
+    server.engine = SimpleNamespace(alive=True, error=None, engine=SimpleNamespace(), shutdown=lambda: shutdowns.append(1))
     server.check_health()
-    server.engine = SimpleNamespace(alive=False, error=None, shutdown=lambda: shutdowns.append(1))
+    server.engine = SimpleNamespace(alive=False, error=None, engine=SimpleNamespace(), shutdown=lambda: shutdowns.append(1))
     with pytest.raises(RuntimeError, match="step thread gone"):
         server.check_health()
-    server.engine = SimpleNamespace(alive=False, error=ValueError("boom"), shutdown=lambda: shutdowns.append(1))
+    server.engine = SimpleNamespace(alive=False, error=ValueError("boom"), engine=SimpleNamespace(), shutdown=lambda: shutdowns.append(1))
     with pytest.raises(RuntimeError, match="boom"):
         server.check_health()

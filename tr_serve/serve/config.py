@@ -83,6 +83,8 @@ class TRServeConfig(BaseModel):
     kv_cache_memory_gb: Optional[float] = Field(default=None, gt=0,
                                                 description="caps KV rows x max_model_len; default: max_num_seqs rows")
     cpu_threads: Optional[int] = Field(default=None, ge=1, description="torch.set_num_threads in the model replica")
+    tensor_parallel_size: int = Field(default=1, ge=1, description="ranks the model is split over (tr_serve.tp); "
+                                      "> 1: Ray actors in the last N placement group bundles, or a group of their own")
 
     # ---- HTTP API ---------------------------------------------------------------------------
     api_keys: list[SecretStr] = Field(default_factory=list,
@@ -158,6 +160,10 @@ class TRServeConfig(BaseModel):
             raise ValueError(f"engine config: {e}") from None
         if self.placement_group_strategy is not None and self.placement_group_bundles is None:
             raise ValueError("placement_group_strategy needs placement_group_bundles")
+        tp, bundles = self.tensor_parallel_size, self.placement_group_bundles
+        if tp > 1 and bundles is not None and len(bundles) < tp:
+            raise ValueError(f"tensor_parallel_size={tp} needs at least {tp} placement_group_bundles (one per "
+                             f"worker, plus one first for the replica), got {len(bundles)}")
         return self
 
     # ---- derived ----------------------------------------------------------------------------

@@ -40,13 +40,21 @@ class LLMServer:
             torch.set_num_threads(self.config.cpu_threads)
         engine_config = self.config.engine_config()
         t0 = time.monotonic()
-        loaded = await asyncio.to_thread(load_model, engine_config.model, engine_config.device, engine_config.dtype)
-        self.tokenizer = loaded.tokenizer
-        self.vocab_size = int(loaded.model.config.vocab_size)
+        if self.config.tensor_parallel_size > 1:  # the workers load and shard the model (tr_serve/tp)
+            from tr_serve.tp.engine import TPEngine
+
+            core = await asyncio.to_thread(TPEngine, engine_config.model, engine_config,
+                                           self.config.tensor_parallel_size, cpu_threads=self.config.cpu_threads)
+            self.tokenizer, self.vocab_size = core.tokenizer, core.vocab_size
+        else:
+            loaded = await asyncio.to_thread(load_model, engine_config.model, engine_config.device, engine_config.dtype)
+            self.tokenizer = loaded.tokenizer
+            self.vocab_size = int(loaded.model.config.vocab_size)
+            core = Engine(loaded, engine_config)
         self.max_model_len = engine_config.max_model_len
         self.metrics = ServerMetrics(self.model_id)
         # the step thread only steps once a request came through self.engine, so self.engine is set by then
-        self.engine = AsyncEngine(Engine(loaded, engine_config),
+        self.engine = AsyncEngine(core,
                                   on_step=lambda _engine: self.metrics.on_step(self.engine.stats()))
         self.metrics.engine_gauges(self.engine.stats())
         self.num_finished = 0  # requests that ran to a finish_reason
@@ -60,6 +68,9 @@ class LLMServer:
         if not self.engine.alive:
             reason = f"after an error: {self.engine.error}" if self.engine.error is not None else "(step thread gone)"
             raise RuntimeError(f"engine stopped {reason}")
+        tp_health = getattr(self.engine.engine, "check_health", None)  # TPEngine: ping every worker
+        if tp_health is not None:
+            tp_health()
 
     def __del__(self) -> None:
         engine = getattr(self, "engine", None)

@@ -1,0 +1,127 @@
+"""``TPEngine`` on a local Ray instance gives the single-process engine's greedy tokens: a tiny
+random Llama at world size 2 and 3 (fixed and cost-aware tree budgets), and the embedded
+SmolLM2-135M (9 heads, 3 kv heads) at world size 3 on Spec-Bench dev questions. A dead worker
+fails the next step and the health check."""
+
+from __future__ import annotations
+
+import copy
+import sys
+import time
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from tp_testutil import assert_same_or_near_tie, dev_questions
+from tr_serve.engine.config import EngineConfig
+from tr_serve.engine.engine import Engine
+from tr_serve.llm import encode_prompt
+from tr_serve.model_loader import LoadedModel
+from tr_serve.sampling_params import SamplingParams
+
+PROMPTS = [[5, 17, 99, 200, 3], [7, 8, 9], list(range(30, 90)), [400, 401]]
+
+
+def tiny(tokenizer, model_id: str) -> LoadedModel:
+    """12 heads, 6 kv heads (GQA groups of 2): splits 2 and 3 ways."""
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=512, hidden_size=48, intermediate_size=96, num_hidden_layers=2,
+                         num_attention_heads=12, num_key_value_heads=6, max_position_embeddings=512,
+                         initializer_range=0.5, tie_word_embeddings=True)
+    config._attn_implementation = "sdpa"
+    model = LlamaForCausalLM(config).eval()
+    model.requires_grad_(False)
+    return LoadedModel(model, tokenizer, model_id, (int(tokenizer.eos_token_id),))
+
+
+def run(engine, prompts, max_tokens: int, extra: dict[str, SamplingParams] | None = None):
+    """Greedy outputs by prompt index (plus ``extra`` requests by id); checks the mirrored stats."""
+    for i, p in enumerate(prompts):
+        engine.add_request(p, SamplingParams(max_tokens=max_tokens, ignore_eos=True), request_id=f"r{i}")
+    for rid, params in (extra or {}).items():
+        engine.add_request(prompts[0], params, request_id=rid)
+    total = len(prompts) + len(extra or {})
+    assert len(engine.waiting) + len(engine.prefilling) + len(engine.running) == total
+    done, steps = {}, 0
+    while engine.has_unfinished():
+        for o in engine.step():
+            if o.finished:
+                done[o.request_id] = o.token_ids
+        steps += 1
+        busy = len(engine.prefilling) + len(engine.running)
+        assert engine.num_rows - len(engine.free_rows) == busy
+    assert len(done) == total
+    return [done[f"r{i}"] for i in range(len(prompts))], done, steps
+
+
+@pytest.mark.parametrize("world, budget", [(2, "fixed"), (3, "auto")])
+def test_tiny_model_matches_unsharded(ray_tp, tokenizer, world, budget):
+    from tr_serve.tp.engine import TPEngine, TPWorkerError
+
+    loaded = tiny(tokenizer, f"tiny-tp-test-{world}")
+    config = EngineConfig(tree="top4", max_num_seqs=4, max_model_len=512, budget=budget)
+    want, _, _ = run(Engine(copy.deepcopy(loaded), config), PROMPTS, 24)
+    engine = TPEngine(loaded, config, world, cpu_threads=1)
+    try:
+        assert engine.info["kv_heads_per_rank"] == 6 // world and engine.info["heads_per_rank"] == 12 // world
+        # a sampled request without a seed: TPEngine seeds it once for every rank (else they diverge)
+        got, done, _ = run(engine, PROMPTS, 24, extra={"sampled": SamplingParams(max_tokens=24, temperature=1.0)})
+        assert got == want
+        assert len(done["sampled"]) == 24
+        with pytest.raises(ValueError, match="already in use"):
+            engine.add_request([1, 2], SamplingParams(), request_id="x")
+            engine.add_request([1, 2], SamplingParams(), request_id="x")
+        engine.abort("x")
+        engine.step()
+        assert not engine.has_unfinished()
+        engine.check_health()
+        import ray
+
+        if world == 2:  # a dead worker: the health check and the next step fail, naming it
+            ray.kill(engine.workers[1])
+            with pytest.raises(TPWorkerError, match=r"tr_tp_worker:.*:1 is dead"):
+                engine.check_health()
+            engine.add_request(PROMPTS[0], SamplingParams(max_tokens=4), request_id="after-kill")
+            t0 = time.monotonic()
+            with pytest.raises(TPWorkerError, match=r"tr_tp_worker:.*:1 failed in step"):
+                engine.step()
+            assert time.monotonic() - t0 < 30
+        else:  # a hung worker (both of its call slots busy): a ping and then the step time out
+            ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+            engine.step_timeout_s, engine.ping_timeout_s = 3.0, 1.0
+            for _ in range(2):
+                engine.workers[1].call.remote(lambda _engine: time.sleep(60))
+            time.sleep(0.5)
+            with pytest.raises(TPWorkerError, match=r"tr_tp_worker:.*:1.*did not answer a ping"):
+                engine.check_health()
+            engine.add_request(PROMPTS[0], SamplingParams(max_tokens=4), request_id="after-hang")
+            with pytest.raises(TPWorkerError, match=r"step timed out after 3 s; no answer from .*tr_tp_worker:.*:1"):
+                engine.step()
+        assert not engine.alive
+        with pytest.raises(TPWorkerError, match="engine is dead"):
+            engine.check_health()
+        with pytest.raises(TPWorkerError, match="engine is dead"):
+            engine.step()
+    finally:
+        engine.shutdown()
+
+
+def test_smollm2_tp3_matches_single_process(ray_tp, loaded):
+    """4 dev questions, 32 new tokens, tree top4: same greedy tokens as ``Engine`` (a difference
+    only at a near-tie of the unsharded model)."""
+    from tr_serve.tp.engine import TPEngine
+
+    prompts = [encode_prompt(loaded.tokenizer, [{"role": "user", "content": q["turns"][0]}])
+               for q in dev_questions(4)]
+    config = EngineConfig(model="smollm2-135m-instruct", tree="top4", max_num_seqs=4, max_model_len=1024)
+    want, _, _ = run(Engine(loaded, config), prompts, 32)
+    engine = TPEngine("smollm2-135m-instruct", config, 3, cpu_threads=1)
+    try:
+        assert (engine.info["heads_per_rank"], engine.info["kv_heads_per_rank"]) == (3, 1)
+        got, _, _ = run(engine, prompts, 32)
+    finally:
+        engine.shutdown()
+    for i, (p, g, w) in enumerate(zip(prompts, got, want)):
+        assert len(g) == len(w) == 32
+        assert_same_or_near_tie(loaded.model, p, g, w, f"dev question {i}")
