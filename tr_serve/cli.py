@@ -3,6 +3,8 @@
     tr-serve generate --prompt TEXT [--model M] [--max-tokens N] [--tree 2.2.2|NAME|PATH.json]
                       [--no-tr] [--k 8] [--stop S ...] [--raw]
     tr-serve bench [--questions PATH] [--per-category N] [--max-new-tokens N] [--tree T ...] ...
+    tr-serve bench --concurrency 1,4,8 [--questions PATH] [--per-category N] ...
+    tr-serve bench-fleet --questions PATH --json OUT [--per-category N] [--max-new-tokens N] [--tree NAME]
 
 Bad arguments print one line on stderr and exit with code 2.
 """
@@ -68,8 +70,25 @@ def build_parser() -> OneLineErrorParser:
                        description="Spec-Bench benchmark: baseline greedy vs Token Recycling trees vs prompt "
                                    "lookup decoding, interleaved prompt by prompt.")
     spec_bench.add_arguments(b)
+    b.add_argument("--concurrency", type=_levels, default=None, metavar="N[,N...]",
+                   help="instead: N concurrent clients through the async engine per level, comparing plain "
+                        "continuous batching, tr:2.2.2 and tr:auto (cost-aware tree budget)")
     b.set_defaults(func=cmd_bench)
+
+    from tr_serve.bench import fleet as bench_fleet
+
+    bench_fleet.add_parser(sub)  # tr-serve bench-fleet
     return parser
+
+
+def _levels(text: str) -> list[int]:
+    try:
+        levels = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected N[,N...] positive integers, got {text!r}") from None
+    if not levels or min(levels) < 1:
+        raise argparse.ArgumentTypeError(f"expected N[,N...] positive integers, got {text!r}")
+    return levels
 
 
 def _quiet_transformers() -> None:
@@ -170,7 +189,42 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from tr_serve.bench import spec_bench
 
     _quiet_transformers()
+    if args.concurrency:
+        return cmd_bench_concurrency(args)
     return spec_bench.execute(args, prog="tr-serve bench")
+
+
+def cmd_bench_concurrency(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from tqdm import tqdm
+
+    from tr_serve.bench import concurrency, spec_bench
+    from tr_serve.llm import encode_prompt
+    from tr_serve.model_loader import load_model
+
+    try:
+        chosen, rest = spec_bench.select_questions(spec_bench.read_questions(args.questions), args.per_category)
+    except spec_bench.BenchError as e:
+        raise UsageError(str(e)) from None
+    check_model_arg(args.model)
+    device = spec_bench.resolve_device(args.device)
+    loaded = load_model(args.model, device=device, dtype=args.dtype)
+    encode = lambda q: encode_prompt(loaded.tokenizer, [{"role": "user", "content": q.text}])  # noqa: E731
+    prompts = [encode(q) for q in chosen]
+    warm = [encode(q) for q in spec_bench.warmup_questions(chosen, rest, args.warmup)]
+    methods = concurrency.DEFAULT_METHODS
+    bar = tqdm(total=len(prompts) * len(methods) * len(args.concurrency), desc="bench", unit="req", file=sys.stderr)
+    try:
+        result = concurrency.run_concurrency(loaded, prompts, args.concurrency, args.max_new_tokens, methods,
+                                             warmup=warm, progress=lambda: bar.update(1))
+    finally:
+        bar.close()
+    result.update(model=args.model, device=device, questions=len(prompts), max_new_tokens=args.max_new_tokens)
+    png = concurrency.save(result, Path(args.json_out))
+    print(concurrency.markdown(result))
+    print(f"\nwrote {args.json_out} and {png}")
+    return 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import tempfile
 import time
 from types import SimpleNamespace
 
@@ -28,6 +29,9 @@ APP_ARGS = {
     "max_queued_requests": 2,
     "retry_after_s": 2,
     "ray_actor_options": {"num_cpus": 0},
+    # fleet hot start on: the replica pushes its recycled rows to the matrix actor in the background
+    "fleet": {"enabled": True, "namespace": "serve-api-test", "sync_interval_s": 0.5,
+              "snapshot_dir": tempfile.mkdtemp(prefix="tr_serve_fleet_")},
 }
 AUTH = {"Authorization": f"Bearer {KEY}"}
 CHAT = [{"role": "user", "content": "Name three colors."}]
@@ -364,3 +368,16 @@ def test_metrics_record_outside_a_replica(app):
     m.accepted.observe(3)
     m.tree_nodes.observe(4)
     IngressMetrics().request("unit-test-model", "/v1/completions", 200)
+
+
+def test_replica_syncs_its_matrix_with_the_fleet_actor(app):
+    app.client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=16, temperature=0)
+    deadline = time.monotonic() + 60
+    while True:
+        fleet = stats(app)["fleet"]
+        if fleet and fleet["pushes"] >= 1 and fleet["rows_pushed"] > 0 and fleet["adopted_version"] >= 1:
+            break
+        assert time.monotonic() < deadline, f"no fleet sync happened: {fleet}"
+        time.sleep(0.5)
+    assert fleet["errors"] == 0, fleet
+    assert "rows" not in fleet and "table" not in fleet  # figures only, never matrix contents

@@ -55,6 +55,7 @@ class BenchConfig:
     dtype: str = "auto"
     k: int = 8
     time_split: bool = True
+    threads: int | None = None  # torch CPU threads; None keeps torch's default
 
     def validate(self) -> None:
         if not isinstance(self.per_category, int) or self.per_category < 1:
@@ -63,6 +64,8 @@ class BenchConfig:
             raise BenchError(f"--max-new-tokens must be a positive integer, got {self.max_new_tokens!r}")
         if not isinstance(self.warmup, int) or self.warmup < 0:
             raise BenchError(f"--warmup must be a non-negative integer, got {self.warmup!r}")
+        if self.threads is not None and self.threads < 1:
+            raise BenchError(f"--threads must be a positive integer, got {self.threads!r}")
         if self.k < 1:
             raise BenchError(f"--k must be a positive integer, got {self.k!r}")
         if self.prompt_seeding not in SEEDING_MODES:
@@ -420,6 +423,9 @@ def run_bench(cfg: BenchConfig, loaded=None, progress: bool = True) -> dict:
     from tr_serve.llm import LLM, encode_prompt
     from tr_serve.model_loader import load_model
 
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+
     if loaded is None:
         try:
             loaded = load_model(cfg.model, device=device, dtype=cfg.dtype)
@@ -499,6 +505,7 @@ def run_bench(cfg: BenchConfig, loaded=None, progress: bool = True) -> dict:
         "k": cfg.k,
         "pld_num_tokens": PLD_NUM_TOKENS if cfg.pld else None,
         "torch": torch.__version__,
+        "torch_threads": torch.get_num_threads(),
         "definitions": {
             "mat": "accepted tokens per verification forward, prefill forward and its first token excluded: "
                    "engine (new_tokens-1)/verification_steps; pld (new_tokens-1)/(forwards-1); baseline 1.0",
@@ -562,6 +569,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--k", type=_positive_int, default=8, help="candidates per matrix row (default: 8)")
     p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default: auto)")
     p.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16 (default: auto)")
+    p.add_argument("--threads", type=_positive_int, default=None, metavar="N",
+                   help="torch CPU threads (default: torch's choice; 1 is steadier on a busy machine)")
     p.add_argument("--no-time-split", dest="time_split", action="store_false",
                    help="do not time the engine phases (on CUDA the phase timer synchronizes)")
 
@@ -571,7 +580,7 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         questions=args.questions, per_category=args.per_category, max_new_tokens=args.max_new_tokens,
         trees=tuple(args.trees or ("2.2.2",)), model=args.model, json_out=args.json_out,
         prompt_seeding=args.prompt_seeding, pld=args.pld, warmup=args.warmup, device=args.device,
-        dtype=args.dtype, k=args.k, time_split=args.time_split,
+        dtype=args.dtype, k=args.k, time_split=args.time_split, threads=args.threads,
     )
 
 

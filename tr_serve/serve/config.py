@@ -15,6 +15,8 @@ from typing import Any, Literal, Optional, Union
 from pydantic import (BaseModel, ConfigDict, Field, SecretStr, ValidationError, ValidationInfo, field_validator,
                       model_validator)
 
+from tr_serve.fleet.config import FleetSyncConfig
+
 API_KEYS_ENV = "TR_SERVE_API_KEYS"
 
 _DEVICE = re.compile(r"^(cpu|mps|cuda(:\d+)?)$")
@@ -59,6 +61,7 @@ class IngressConfig(BaseModel):
         return self
 
 
+
 class TRServeConfig(BaseModel):
     """Arguments of ``tr_serve.serve.builder:build_app``."""
 
@@ -83,6 +86,8 @@ class TRServeConfig(BaseModel):
     kv_cache_memory_gb: Optional[float] = Field(default=None, gt=0,
                                                 description="caps KV rows x max_model_len; default: max_num_seqs rows")
     cpu_threads: Optional[int] = Field(default=None, ge=1, description="torch.set_num_threads in the model replica")
+    fleet: FleetSyncConfig = Field(default_factory=FleetSyncConfig,
+                                   description="fleet-wide hot start: replicas share one adjacency matrix (tr_serve.fleet)")
     tensor_parallel_size: int = Field(default=1, ge=1, description="ranks the model is split over (tr_serve.tp); "
                                       "> 1: Ray actors in the last N placement group bundles, or a group of their own")
 

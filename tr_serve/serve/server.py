@@ -57,6 +57,12 @@ class LLMServer:
         self.engine = AsyncEngine(core,
                                   on_step=lambda _engine: self.metrics.on_step(self.engine.stats()))
         self.metrics.engine_gauges(self.engine.stats())
+        from tr_serve.fleet.sync import start_fleet_sync
+
+        # keyed by the weights (EngineConfig.model), not the served name; None when disabled or with
+        # tensor parallelism (the matrix lives in the workers). Never on the token path.
+        self.fleet = await start_fleet_sync(self.engine, self.config.fleet, model_id=engine_config.model,
+                                            tokenizer=self.tokenizer)
         self.num_finished = 0  # requests that ran to a finish_reason
         self.num_aborted = 0  # requests whose caller left first (client disconnect, cancellation)
         logger.info("tr_serve: %s loaded as %r in %.1f s (tree %s, max_num_seqs %d, max_model_len %d, device %s)",
@@ -72,7 +78,11 @@ class LLMServer:
         if tp_health is not None:
             tp_health()
 
-    def __del__(self) -> None:
+    async def __del__(self) -> None:
+        """Serve awaits this at shutdown: a last push of the matrix rows, then the engine stops."""
+        fleet = getattr(self, "fleet", None)
+        if fleet is not None:
+            await fleet.stop(final_push=True, timeout_s=5.0)
         engine = getattr(self, "engine", None)
         if engine is not None:
             engine.shutdown()
@@ -85,7 +95,8 @@ class LLMServer:
 
         return {"model": self.model_id, **engine_load(self.engine.stats()), "max_num_seqs": self.config.max_num_seqs,
                 "tree": self.config.tree, "engine_alive": self.engine.alive,
-                "requests_finished": self.num_finished, "requests_aborted": self.num_aborted}
+                "requests_finished": self.num_finished, "requests_aborted": self.num_aborted,
+                "fleet": self.fleet.stats() if getattr(self, "fleet", None) is not None else None}
 
     async def completions(self, request: CompletionRequest, request_id: str) -> Union[dict, APIError]:
         return await self._full(request, request_id, chat=False)

@@ -1,0 +1,429 @@
+"""``tr-serve bench-fleet``: does a replica that adopts the fleet's matrix start hot?
+
+On a local Ray instance, with a real matrix actor (its own namespace and a temporary snapshot
+folder, both removed at the end):
+
+1. **warm**: replica A (an ``AsyncEngine`` + ``MatrixSync`` pushing every ``--sync-interval-s``)
+   answers the warm half of the questions; its last rows are pushed when it stops.
+2. **adopt**: a fresh replica B adopts the actor's snapshot (between steps, as in serving).
+3. **measure**, on the other half (questions the matrix never saw), each question in turn on four
+   fresh engines that run side by side: plain greedy decoding (``tree="none"``), a **cold**
+   replica (empty matrix), the **fleet-warm** replica B (its sync keeps running), and a
+   **local-warm** replica (a copy of A's own matrix: what A itself would do next).
+
+Questions: ``2 x --per-category`` per category (Spec-Bench JSONL), alternately warm / measured.
+
+MAT = accepted tokens per verification step (``RequestStats.accepted_per_step``), summed over
+the measured questions. ``identical``: cold, fleet-warm and local-warm outputs all equal plain
+greedy decoding token for token. Sync overhead on the token path = seconds spent between steps
+in ``MatrixSync`` (taking dirty rows, adopting a snapshot) / seconds in ``Engine.step`` of the
+same replica.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+import uuid
+from collections import OrderedDict
+from pathlib import Path
+from typing import Any, Sequence
+
+from tr_serve.bench.spec_bench import (DEFAULT_MODEL, DEFAULT_QUESTIONS, BenchError, Question, _positive_int,
+                                       read_questions, resolve_device)
+
+DEFAULT_JSON = os.path.join("bench_out", "bench_fleet.json")
+TARGETS = {"fleet_over_cold": 1.05, "token_path_overhead": 0.01, "adopt_ms": 20.0}
+
+
+def split_questions(questions: Sequence[Question], per_category: int) -> tuple[list[Question], list[Question]]:
+    """Per category (in order of first appearance), the first ``2 * per_category`` questions,
+    alternately into the warm half and the measured half."""
+    by_cat: "OrderedDict[str, list[Question]]" = OrderedDict()
+    for q in questions:
+        by_cat.setdefault(q.category, []).append(q)
+    warm, measure = [], []
+    for qs in by_cat.values():
+        picked = qs[: 2 * per_category]
+        warm.extend(picked[0::2])
+        measure.extend(picked[1::2])
+    if not measure:
+        raise BenchError("every category has a single question: nothing is left to measure")
+    return warm, measure
+
+
+class StepClock:
+    """Seconds spent in ``Engine.step`` (wraps the instance's method)."""
+
+    def __init__(self, engine):
+        self.seconds = 0.0
+        self.steps = 0
+        inner = engine.step
+
+        def timed():
+            t0 = time.perf_counter()
+            try:
+                return inner()
+            finally:
+                self.seconds += time.perf_counter() - t0
+                self.steps += 1
+
+        engine.step = timed
+
+
+async def _generate(engine, prompt_ids: list[int], max_new_tokens: int, request_id: str):
+    from tr_serve.sampling_params import SamplingParams
+
+    last = None
+    async for out in engine.generate(list(prompt_ids), SamplingParams(max_tokens=max_new_tokens), request_id):
+        last = out
+    return last
+
+
+def _mat(outs) -> float:
+    steps = sum(len(o.stats.accepted_per_step) for o in outs)
+    return sum(sum(o.stats.accepted_per_step) for o in outs) / steps if steps else 1.0
+
+
+def _start_ray():
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    import ray
+
+    if ray.is_initialized():
+        return ray, False
+    ray.init(address="local", num_cpus=max(1, min(2, os.cpu_count() or 1)), include_dashboard=False,
+             log_to_driver=False, configure_logging=False)
+    return ray, True
+
+
+async def _bench(args, loaded, warm: list[Question], measure: list[Question], snapshot_dir: str, namespace: str,
+                 progress: bool) -> dict[str, Any]:
+    from tr_serve.engine.async_engine import AsyncEngine
+    from tr_serve.engine.config import EngineConfig
+    from tr_serve.engine.engine import Engine
+    from tr_serve.fleet import FleetSyncConfig
+    from tr_serve.fleet.actor import get_actor
+    from tr_serve.fleet.sync import MatrixSync
+
+    def log(msg: str) -> None:
+        if progress:
+            print(f"[bench-fleet] {msg}", file=sys.stderr, flush=True)
+
+    longest = max(len(q.prompt_ids) for q in warm + measure)
+    max_model_len = max(2048, longest + args.max_new_tokens + 1)
+    device = str(next(loaded.model.parameters()).device)
+
+    def engine(tree: str) -> tuple[Any, StepClock]:
+        core = Engine(loaded, EngineConfig(model=args.model, tree=tree, k=args.k, max_num_seqs=1,
+                                           max_model_len=max_model_len, device=device))
+        return AsyncEngine(core), StepClock(core)
+
+    cfg = FleetSyncConfig(enabled=True, namespace=namespace, snapshot_dir=snapshot_dir,
+                          sync_interval_s=args.sync_interval_s, snapshot_interval_s=60.0)
+    (a, clock_a), (b, clock_b) = engine(args.tree), engine(args.tree)
+    (cold, clock_cold), (local, _), (plain, _) = engine(args.tree), engine(args.tree), engine("none")
+    engines = (a, b, cold, local, plain)
+    try:
+        # 1. warm replica A on the warm half, syncing in the background
+        sync_a = MatrixSync(a, cfg, model_id=loaded.model_id, tokenizer=loaded.tokenizer, replica_id="A")
+        sync_a.start()
+        t0 = time.perf_counter()
+        warm_outs = []
+        for i, q in enumerate(warm):
+            log(f"warm {i + 1}/{len(warm)} q{q.question_id} ({q.category})")
+            warm_outs.append(await _generate(a, q.prompt_ids, args.max_new_tokens, f"warm-{i}"))
+        warm_s = time.perf_counter() - t0
+        flushed = await sync_a.flush()  # the rows of the last questions (connects if it had not yet)
+        if flushed["error"] is not None:
+            raise BenchError(f"replica A could not push to the matrix actor: {flushed['error']}")
+        await sync_a.stop(final_push=False)
+        actor = get_actor(loaded.model_id, cfg.namespace)
+        info = await actor.info.remote()
+        local.engine.matrix.table.copy_(a.engine.matrix.table)  # reference: A's own matrix
+
+        # 2. a fresh replica B adopts the fleet snapshot (between steps)
+        sync_b = MatrixSync(b, cfg, model_id=loaded.model_id, tokenizer=loaded.tokenizer, replica_id="B")
+        t0 = time.perf_counter()
+        first = await sync_b.sync_once()
+        adopt_round_trip_ms = (time.perf_counter() - t0) * 1e3
+        if first["error"] is not None or not sync_b.adopt_s:
+            raise BenchError(f"replica B could not adopt the fleet snapshot: {first}")
+        adopt_ms = sync_b.adopt_s[0] * 1e3
+        log(f"B adopted version {sync_b.adopted_version} in {adopt_ms:.2f} ms between steps "
+            f"({adopt_round_trip_ms:.1f} ms with the poll and fetch)")
+        sync_b.start()
+
+        # 3. measure on the unseen half: the four engines side by side, question by question
+        names = ("plain", "cold", "fleet_warm", "local_warm")
+        runs: dict[str, list] = {n: [] for n in names}
+        clock_b.seconds, clock_b.steps = 0.0, 0  # B's step time from here on (its sync runs meanwhile)
+        token_path_b0, calls_b0 = sync_b.token_path_s, sync_b.token_path_calls
+        t0 = time.perf_counter()
+        for i, q in enumerate(measure):
+            log(f"measure {i + 1}/{len(measure)} q{q.question_id} ({q.category})")
+            outs = await asyncio.gather(*[_generate(e, q.prompt_ids, args.max_new_tokens, f"{n}-{i}")
+                                          for n, e in zip(names, (plain, cold, b, local))])
+            for n, o in zip(names, outs):
+                runs[n].append(o)
+        measure_s = time.perf_counter() - t0
+        await sync_b.stop(final_push=False)
+    finally:
+        for e in engines:
+            e.shutdown()
+
+    base = [o.token_ids for o in runs["plain"]]
+    same = {n: [o.token_ids == t for o, t in zip(runs[n], base)] for n in names}
+    identical = all(all(same[n]) for n in ("cold", "fleet_warm", "local_warm"))
+    mats = {n: _mat(runs[n]) for n in names}
+    b_token_path = sync_b.token_path_s - token_path_b0
+    overhead_a = sync_a.token_path_s / clock_a.seconds if clock_a.seconds else 0.0
+    overhead_b = b_token_path / clock_b.seconds if clock_b.seconds else 0.0
+    overhead_all = (sync_a.token_path_s + b_token_path) / max(1e-12, clock_a.seconds + clock_b.seconds)
+    fleet_over_cold = mats["fleet_warm"] / mats["cold"] if mats["cold"] else float("nan")
+    sync = {
+        "sync_interval_s": args.sync_interval_s,
+        "token_path_overhead": overhead_all,
+        "token_path_overhead_warm_replica": overhead_a,
+        "token_path_overhead_fleet_replica": overhead_b,
+        "token_path_ms": {"warm_replica": sync_a.token_path_s * 1e3, "fleet_replica": b_token_path * 1e3},
+        "token_path_calls": {"warm_replica": sync_a.token_path_calls,
+                             "fleet_replica": sync_b.token_path_calls - calls_b0},
+        "step_s": {"warm_replica": clock_a.seconds, "fleet_replica": clock_b.seconds},
+        "steps": {"warm_replica": clock_a.steps, "fleet_replica": clock_b.steps},
+        "mean_step_ms": {"warm_replica": 1e3 * clock_a.seconds / max(1, clock_a.steps),
+                         "fleet_replica": 1e3 * clock_b.seconds / max(1, clock_b.steps)},
+        "adopt_ms": adopt_ms,
+        "adopt_ms_max": max(sync_b.adopt_s) * 1e3,
+        "adoptions": len(sync_b.adopt_s),
+        "adopt_round_trip_ms": adopt_round_trip_ms,
+        "pushes": sync_a.pushes + sync_b.pushes,
+        "rows_pushed_warm_replica": sync_a.rows_pushed,
+        "actor_version_after_warm": info["version"],
+        "fleet_rows": info["filled_rows"],
+        "warm_replica_rows": int(a.engine.matrix.num_filled_rows()),
+        "sync_errors": sync_a.errors + sync_b.errors,
+    }
+    return {
+        "cold_mat": mats["cold"],
+        "fleet_warm_mat": mats["fleet_warm"],
+        "local_warm_mat": mats["local_warm"],
+        "identical": identical,
+        "fleet_over_cold": fleet_over_cold,
+        "sync": sync,
+        "targets": {
+            "fleet_over_cold_min": TARGETS["fleet_over_cold"],
+            "token_path_overhead_max": TARGETS["token_path_overhead"],
+            "adopt_ms_max": TARGETS["adopt_ms"],
+            "met": bool(identical and fleet_over_cold >= TARGETS["fleet_over_cold"]
+                        and overhead_all < TARGETS["token_path_overhead"] and sync["adopt_ms_max"] < TARGETS["adopt_ms"]),
+        },
+        "warm_seconds": warm_s,
+        "measure_seconds": measure_s,
+        "warm_mat": _mat(warm_outs),
+        "per_question": [
+            {"question_id": q.question_id, "category": q.category, "new_tokens": len(runs["plain"][i].token_ids),
+             **{f"{n}_mat": runs[n][i].stats.mat for n in ("cold", "fleet_warm", "local_warm")},
+             "identical": all(same[n][i] for n in ("cold", "fleet_warm", "local_warm"))}
+            for i, q in enumerate(measure)
+        ],
+    }
+
+
+def run_bench_fleet(args: argparse.Namespace, progress: bool = True) -> dict[str, Any]:
+    """Run the benchmark and write ``args.json_out``; returns the result."""
+    if not str(args.json_out).endswith(".json"):
+        raise BenchError(f"--json must name a .json file, got {args.json_out!r}")
+    if args.sync_interval_s <= 0:
+        raise BenchError(f"--sync-interval-s must be > 0, got {args.sync_interval_s}")
+    from tr_serve.tr.tree import TreeTemplateError, load_template
+
+    if args.tree.strip().lower() in ("none", "off", ""):
+        raise BenchError("--tree must be a Token Recycling tree (plain decoding is measured anyway)")
+    try:
+        load_template(args.tree, args.k)
+    except TreeTemplateError as e:
+        raise BenchError(str(e)) from None
+    warm, measure = split_questions(read_questions(args.questions), args.per_category)
+    device = resolve_device(args.device)
+
+    import torch
+
+    from tr_serve.llm import encode_prompt
+    from tr_serve.model_loader import load_model
+
+    if args.cpu_threads:
+        torch.set_num_threads(args.cpu_threads)
+    try:
+        loaded = load_model(args.model, device=device, dtype=args.dtype)
+    except (OSError, ValueError) as e:
+        raise BenchError(f"cannot load model {args.model!r}: {e}".splitlines()[0]) from None
+    for q in warm + measure:
+        q.prompt_ids = encode_prompt(loaded.tokenizer, [{"role": "user", "content": q.text}])
+    max_pos = getattr(loaded.model.config, "max_position_embeddings", None) or 1 << 30
+    if max(len(q.prompt_ids) for q in warm + measure) + args.max_new_tokens + 1 > max_pos:
+        raise BenchError(f"a prompt plus --max-new-tokens {args.max_new_tokens} exceeds the model's context")
+
+    ray, started = _start_ray()
+    own_dir = args.snapshot_dir is None
+    snapshot_dir = tempfile.mkdtemp(prefix="tr-bench-fleet-") if own_dir else args.snapshot_dir
+    namespace = f"bench-{uuid.uuid4().hex[:8]}"  # its own fleet: never adopts or feeds a real one
+    t0 = time.perf_counter()
+    try:
+        result = asyncio.run(_bench(args, loaded, warm, measure, snapshot_dir, namespace, progress))
+    finally:
+        try:
+            from tr_serve.fleet.actor import stop_matrix_actor
+
+            stop_matrix_actor(loaded.model_id, namespace, timeout_s=10)
+        except Exception:
+            pass
+        if started:
+            ray.shutdown()
+        if own_dir:
+            shutil.rmtree(snapshot_dir, ignore_errors=True)
+    result = {
+        **result,
+        "model": args.model,
+        "tree": args.tree,
+        "k": args.k,
+        "device": device,
+        "max_new_tokens": args.max_new_tokens,
+        "per_category": args.per_category,
+        "warm_question_ids": [q.question_id for q in warm],
+        "measured_question_ids": [q.question_id for q in measure],
+        "wall_seconds": time.perf_counter() - t0,
+        "torch": torch.__version__,
+        "torch_threads": torch.get_num_threads(),
+        "definitions": {
+            "mat": "sum of accepted tokens per verification step / verification steps, over the measured "
+                   "questions (RequestStats.accepted_per_step; the prefill's first token excluded)",
+            "identical": "cold, fleet-warm and local-warm outputs all equal plain greedy decoding token for token",
+            "token_path_overhead": "seconds MatrixSync spent between engine steps (dirty-row take + snapshot "
+                                   "adoption) / seconds in Engine.step, warm replica + fleet replica",
+            "adopt_ms": "between-steps part of the fleet replica's first adoption (copy + own rows reapplied)",
+        },
+    }
+    out = Path(args.json_out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(_clean(result), indent=2) + "\n")
+    return result
+
+
+def _clean(obj):
+    import math
+
+    if isinstance(obj, float):
+        return round(obj, 6) if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: _clean(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_clean(v) for v in obj]
+    return obj
+
+
+def format_result(r: dict) -> str:
+    s = r["sync"]
+    ok = lambda cond: "ok" if cond else "MISSED"  # noqa: E731
+    lines = [
+        f"bench-fleet: {r['model']}, tree {r['tree']}, k={r['k']}, {len(r['measured_question_ids'])} measured / "
+        f"{len(r['warm_question_ids'])} warm questions, {r['max_new_tokens']} new tokens, {r['device']}",
+        "",
+        "| replica | MAT |",
+        "| --- | ---: |",
+        f"| cold (empty matrix) | {r['cold_mat']:.3f} |",
+        f"| fleet-warm (adopted the actor's snapshot) | {r['fleet_warm_mat']:.3f} |",
+        f"| local-warm (copy of the warm replica's matrix) | {r['local_warm_mat']:.3f} |",
+        "",
+        f"fleet-warm / cold:          {r['fleet_over_cold']:.3f}  (target >= {TARGETS['fleet_over_cold']:.2f}: "
+        f"{ok(r['fleet_over_cold'] >= TARGETS['fleet_over_cold'])})",
+        f"identical to plain greedy:  {'yes' if r['identical'] else 'NO'}",
+        f"token-path sync overhead:   {100 * s['token_path_overhead']:.4f}% of step time "
+        f"(warm replica {100 * s['token_path_overhead_warm_replica']:.4f}%, fleet replica "
+        f"{100 * s['token_path_overhead_fleet_replica']:.4f}%; target < 1%: "
+        f"{ok(s['token_path_overhead'] < TARGETS['token_path_overhead'])})",
+        f"snapshot adoption:          {s['adopt_ms']:.3f} ms between steps, max {s['adopt_ms_max']:.3f} ms over "
+        f"{s['adoptions']} adoptions (target < 20 ms: {ok(s['adopt_ms_max'] < TARGETS['adopt_ms'])}); "
+        f"{s['adopt_round_trip_ms']:.1f} ms with poll + fetch (off the token path)",
+        f"mean step:                  warm replica {s['mean_step_ms']['warm_replica']:.1f} ms, fleet replica "
+        f"{s['mean_step_ms']['fleet_replica']:.1f} ms",
+        f"fleet:                      version {s['actor_version_after_warm']} after warm-up, {s['fleet_rows']} rows, "
+        f"{s['pushes']} pushes, {s['sync_errors']} sync errors",
+    ]
+    return "\n".join(lines)
+
+
+# ---- command line ------------------------------------------------------------------------------
+
+def _positive_float(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}") from None
+    if not v > 0:
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}")
+    return v
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--questions", default=DEFAULT_QUESTIONS, metavar="PATH",
+                   help=f"Spec-Bench JSONL (default: {DEFAULT_QUESTIONS})")
+    p.add_argument("--json", dest="json_out", default=DEFAULT_JSON, metavar="OUT",
+                   help=f"result JSON (default: {DEFAULT_JSON})")
+    p.add_argument("--per-category", type=_positive_int, default=1, metavar="N",
+                   help="N warm and N measured questions per category (default: 1)")
+    p.add_argument("--max-new-tokens", type=_positive_int, default=48, metavar="N", help="default: 48")
+    p.add_argument("--tree", default="2.2.2", metavar="NAME|PATH", help="Token Recycling tree (default: 2.2.2)")
+    p.add_argument("--model", default=DEFAULT_MODEL, help=f"default: {DEFAULT_MODEL}")
+    p.add_argument("--k", type=_positive_int, default=8, help="candidates per matrix row (default: 8)")
+    p.add_argument("--sync-interval-s", type=_positive_float, default=2.0, metavar="S",
+                   help="replica push/poll period (default: 2.0, the serving default)")
+    p.add_argument("--snapshot-dir", default=None, metavar="DIR",
+                   help="actor snapshot root (default: a temporary folder, removed at the end)")
+    p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default: auto)")
+    p.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16 (default: auto)")
+    p.add_argument("--cpu-threads", type=_positive_int, default=None, metavar="N", help="torch.set_num_threads")
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    """``tr-serve bench-fleet``: register on the CLI's subparsers (sets ``func=run``)."""
+    p = subparsers.add_parser("bench-fleet", help="fleet hot start: cold vs fleet-warm vs local-warm MAT",
+                              description=__doc__.splitlines()[0])
+    add_arguments(p)
+    p.set_defaults(func=run)
+    return p
+
+
+def run(args: argparse.Namespace, prog: str = "tr-serve bench-fleet") -> int:
+    try:
+        from tr_serve.cli import _quiet_transformers
+
+        _quiet_transformers()
+    except Exception:
+        pass
+    try:
+        result = run_bench_fleet(args)
+    except BenchError as e:
+        print(f"{prog}: error: {e}", file=sys.stderr)
+        return 2
+    print(format_result(result))
+    print(f"\nwrote {args.json_out}")
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    from tr_serve.cli import OneLineErrorParser
+
+    parser = OneLineErrorParser(prog="tr-serve bench-fleet", description=__doc__.splitlines()[0])
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,255 @@
+"""The matrix actor: one fleet-wide adjacency matrix per (model id, namespace).
+
+Why a named, detached Ray actor (``tr_matrix:<model id>:<namespace>`` in the Ray namespace
+``tr_serve``; ``lifetime="detached"``, ``get_if_exists=True``, ``max_restarts=-1``) rather than a
+Serve deployment:
+
+* **Its state must outlive the app.** The matrix is the hot start; a Serve deployment is torn
+  down and recreated with its application (``serve run`` of a new config, an upgrade, a rollback),
+  which would throw the fleet's matrix away exactly when new replicas need it. A detached actor
+  lives until it is stopped (:func:`stop_matrix_actor`) or the cluster goes.
+* **It is keyed by model and namespace, not by application.** Several deployments or apps that
+  serve the same model in the same namespace share it; a deployment is app-scoped.
+* **It is a singleton with internal methods, not a request handler.** Replicas call it directly
+  through an actor handle (no Serve router, queue, autoscaling or HTTP surface), and none of its
+  methods is reachable by clients: no API returns matrix rows.
+* **Creation is idempotent and failure is repaired by Ray.** Every replica calls
+  ``get_if_exists=True`` with the same name, so whichever comes first creates it; with
+  ``max_restarts=-1`` Ray restarts it after a crash and it reloads its newest good snapshot from
+  disk. A replica that finds it gone re-resolves it by name (which re-creates it).
+
+Nothing on the token path waits for the actor: replicas push and poll from a background asyncio
+task (:mod:`tr_serve.fleet.sync`) and only the final table copy runs between engine steps.
+
+The actor is an asyncio actor, so its methods run one at a time on its event loop (a merge is
+never interleaved with another); disk writes run in a worker thread on a copy of the state.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import logging
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from tr_serve.fleet.config import FleetSyncConfig
+from tr_serve.fleet.merge import EMPTY, merge_push
+from tr_serve.fleet.metrics import FleetMetrics
+from tr_serve.fleet.snapshot import (Identity, MatrixState, load_newest, remove_stale_temp_files,
+                                     write_snapshot)
+
+logger = logging.getLogger("tr_serve.fleet")
+
+ACTOR_NAMESPACE = "tr_serve"  # the Ray namespace of every matrix actor (Serve replicas run in "serve")
+
+
+def actor_name(model_id: str, namespace: str | None = None) -> str:
+    return f"tr_matrix:{model_id}:{namespace or 'default'}"
+
+
+def actor_spec(config: FleetSyncConfig, model_id: str, vocab_size: int, k: int, fingerprint: str) -> dict[str, Any]:
+    """The actor's constructor argument. The snapshot folder is resolved here, on the caller."""
+    return {
+        "model_id": model_id,
+        "namespace": config.namespace_name,
+        "vocab_size": int(vocab_size),
+        "k": int(k),
+        "tokenizer_fingerprint": fingerprint,
+        "snapshot_folder": str(config.snapshot_folder(model_id)),
+        "snapshot_interval_s": float(config.snapshot_interval_s),
+        "keep_snapshots": int(config.keep_snapshots),
+        "half_life_s": float(config.half_life_s),
+    }
+
+
+IDENTITY_KEYS = ("model_id", "namespace", "vocab_size", "k", "tokenizer_fingerprint")
+
+
+class MatrixActor:
+    """Internal methods only (called by :class:`tr_serve.fleet.sync.MatrixSync`)."""
+
+    def __init__(self, spec: dict[str, Any]):
+        self.spec = dict(spec)
+        self.identity = Identity(spec["model_id"], int(spec["vocab_size"]), int(spec["k"]),
+                                 spec["tokenizer_fingerprint"], spec["namespace"])
+        self.folder = Path(spec["snapshot_folder"])
+        self.snapshot_interval_s = float(spec["snapshot_interval_s"])
+        self.keep = int(spec["keep_snapshots"])
+        self.half_life_s = float(spec["half_life_s"])
+        self.epoch = uuid.uuid4().hex  # changes at every (re)start: replicas detect restarts by it
+        self.metrics = FleetMetrics(self.identity.model_id, self.identity.namespace, "actor")
+        self.loaded_from: str | None = None
+        remove_stale_temp_files(self.folder)
+        loaded = None
+        try:
+            loaded = load_newest(self.folder, self.identity)
+        except Exception as e:  # a folder we cannot list: start empty, never crash
+            logger.warning("matrix actor %s: cannot read snapshots in %s (%s); starting empty",
+                           actor_name(self.identity.model_id, self.identity.namespace), self.folder, e)
+        if loaded is not None:
+            self.state, meta, path = loaded
+            self.version = meta.version
+            self.loaded_from = str(path)
+        else:
+            self.state = MatrixState.empty(self.identity.vocab_size, self.identity.k)
+            self.version = 0
+        self.saved_version = self.version
+        self.rows_merged = 0
+        self._published: tuple[int, float, Any] | None = None  # (version, published_at, ObjectRef)
+        self._last_seq: dict[str, int] = {}
+        self._save_lock = asyncio.Lock()
+        self._saver: asyncio.Task | None = None
+        self.metrics.version.set(self.version)
+        atexit.register(self._save_at_exit)
+        logger.info("matrix actor %s started (epoch %s, version %d, %s)",
+                    actor_name(self.identity.model_id, self.identity.namespace), self.epoch[:8], self.version,
+                    f"from {self.loaded_from}" if self.loaded_from else "empty")
+
+    # ---- replica-facing (internal) ---------------------------------------------------------
+    async def info(self) -> dict[str, Any]:
+        self._ensure_saver()
+        return {**{k: self.spec[k] for k in IDENTITY_KEYS}, "epoch": self.epoch, "version": self.version,
+                "loaded_from": self.loaded_from, "saved_version": self.saved_version,
+                "filled_rows": int(self.state.filled_rows().size), "rows_merged": self.rows_merged,
+                "snapshot_folder": str(self.folder)}
+
+    async def state_version(self) -> dict[str, Any]:
+        """The cheap poll."""
+        self._ensure_saver()
+        return {"epoch": self.epoch, "version": self.version}
+
+    async def push(self, replica_id: str, seq: int, ids, rows) -> dict[str, Any]:
+        """Merge one replica's changed rows; the version grows when any row was merged."""
+        self._ensure_saver()
+        ids = np.asarray(ids, dtype=np.int64).reshape(-1)
+        rows = np.asarray(rows)
+        vocab, k = self.identity.vocab_size, self.identity.k
+        if rows.shape != (ids.size, k):
+            raise ValueError(f"push of {ids.size} ids with rows of shape {rows.shape}, expected ({ids.size}, {k})")
+        if ids.size and (ids.min() < 0 or ids.max() >= vocab or rows.min() < EMPTY or rows.max() >= vocab):
+            raise ValueError("push with row ids or candidates outside the vocabulary")
+        last = self._last_seq.get(replica_id)
+        merged = 0
+        if last is None or seq > last:  # a duplicate or out-of-order (older) push is ignored
+            self._last_seq[replica_id] = seq
+            merged = merge_push(self.state.cands, self.state.scores, self.state.stamp, ids, rows.astype(np.int32),
+                                time.time(), self.half_life_s)
+            if merged:
+                self.version += 1
+                self.rows_merged += merged
+                self.metrics.rows_merged.inc(merged)
+                self.metrics.version.set(self.version)
+        return {"epoch": self.epoch, "version": self.version, "merged_version": self.version, "merged": merged}
+
+    async def snapshot(self) -> dict[str, Any]:
+        """The current table, put in the object store once per version. The ObjectRef is returned
+        inside a list so that Ray hands the reference over instead of resolving it."""
+        import ray
+
+        self._ensure_saver()
+        if self._published is None or self._published[0] != self.version:
+            self._published = (self.version, time.time(), ray.put(self.state.cands))
+        version, published_at, ref = self._published
+        return {"epoch": self.epoch, "version": version, "published_at": published_at, "ref": [ref]}
+
+    async def save(self, force: bool = False) -> str | None:
+        """Write a disk snapshot now if the version changed since the last one (or ``force``)."""
+        async with self._save_lock:
+            if not force and self.version == self.saved_version:
+                return None
+            version = self.version
+            state = MatrixState(self.state.cands.copy(), self.state.scores.copy(), self.state.stamp.copy())
+            t0 = time.perf_counter()
+            try:
+                path = await asyncio.to_thread(write_snapshot, self.folder, state, self.identity, version, self.keep)
+            except Exception as e:  # a full or read-only disk: keep merging, try again later
+                logger.warning("matrix actor: could not write a snapshot to %s: %s", self.folder, e)
+                self.metrics.error("snapshot_write")
+                return None
+            self.metrics.snapshot_latency.observe(time.perf_counter() - t0)
+            self.saved_version = version
+            return str(path)
+
+    async def shutdown(self) -> None:
+        """Final snapshot, then exit (no restart)."""
+        import ray
+
+        await self.save()
+        ray.actor.exit_actor()
+
+    # ---- internals ----------------------------------------------------------------------------
+    def _ensure_saver(self) -> None:
+        if self._saver is None or self._saver.done():
+            self._saver = asyncio.get_running_loop().create_task(self._save_loop())
+
+    async def _save_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.snapshot_interval_s)
+            try:
+                await self.save()
+            except Exception:  # never let the saver die
+                logger.exception("matrix actor: snapshot failed")
+
+    def _save_at_exit(self) -> None:
+        if self.version == self.saved_version:
+            return
+        try:
+            write_snapshot(self.folder, self.state, self.identity, self.version, self.keep)
+            self.saved_version = self.version
+        except Exception as e:
+            logger.warning("matrix actor: final snapshot failed: %s", e)
+
+
+_remote_cls = None
+
+
+def remote_actor_class():
+    global _remote_cls
+    if _remote_cls is None:
+        import ray
+
+        _remote_cls = ray.remote(MatrixActor)
+    return _remote_cls
+
+
+def get_or_create_actor(spec: dict[str, Any], num_cpus: float = 0.0):
+    """The actor of ``spec``'s (model, namespace), created if it does not exist (blocking: call it
+    off the event loop).
+
+    ``scheduling_strategy="DEFAULT"``: a Serve replica with placement group bundles captures child
+    actors into its group, which would tie the fleet's actor to the first replica's lifetime."""
+    return remote_actor_class().options(
+        name=actor_name(spec["model_id"], spec["namespace"]), namespace=ACTOR_NAMESPACE, lifetime="detached",
+        get_if_exists=True, max_restarts=-1, num_cpus=num_cpus, scheduling_strategy="DEFAULT",
+    ).remote(spec)
+
+
+def get_actor(model_id: str, namespace: str | None = None):
+    """The existing actor, or None."""
+    import ray
+
+    try:
+        return ray.get_actor(actor_name(model_id, namespace), namespace=ACTOR_NAMESPACE)
+    except ValueError:
+        return None
+
+
+def stop_matrix_actor(model_id: str, namespace: str | None = None, timeout_s: float = 30.0) -> bool:
+    """Write a final snapshot and stop the actor; False when there was none."""
+    import ray
+
+    handle = get_actor(model_id, namespace)
+    if handle is None:
+        return False
+    try:
+        ray.get(handle.shutdown.remote(), timeout=timeout_s)
+    except ray.exceptions.RayActorError:
+        pass  # the expected outcome: it exited
+    except ray.exceptions.GetTimeoutError:
+        ray.kill(handle, no_restart=True)
+    return True

@@ -1,0 +1,267 @@
+"""Matrix snapshots on disk: one Arrow IPC file per snapshot.
+
+File ``matrix-<created ns>-v<version>.arrow`` holds the filled rows only::
+
+    row         int32                       token id of the row
+    candidates  fixed_size_list<int32>[K]   best first, -1 = none
+    scores      fixed_size_list<float32>[K] the merge scores (tr_serve.fleet.merge)
+    stamp       float64                     time the scores refer to (unix seconds)
+
+and schema metadata ``tr_serve.format``, ``model_id``, ``namespace``, ``vocab_size``, ``k``,
+``tokenizer_fingerprint``, ``version``, ``created_at``, ``rows``.
+
+Writes go to a hidden temporary file in the same folder, fsynced, then ``os.replace``-d into
+place, so a reader sees a whole file or none. Reading refuses (with the reason) a file that is
+unreadable, of another format, model, tokenizer, vocabulary size or K, or whose contents are out
+of range; :func:`load_newest` logs that and tries the next file.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from tr_serve.fleet.merge import EMPTY
+
+logger = logging.getLogger("tr_serve.fleet")
+
+FORMAT = "tr_serve.matrix/1"
+_PREFIX = "matrix-"
+_SUFFIX = ".arrow"
+_TMP_MARK = ".tmp-"
+
+
+class SnapshotRefused(Exception):
+    """A snapshot file that must not be loaded; ``str(e)`` says why."""
+
+
+@dataclass(frozen=True)
+class Identity:
+    """What a snapshot must match to be loaded."""
+
+    model_id: str
+    vocab_size: int
+    k: int
+    tokenizer_fingerprint: str
+    namespace: str = "default"
+
+
+@dataclass(frozen=True)
+class SnapshotMeta:
+    identity: Identity
+    version: int
+    created_at: float
+    rows: int
+
+
+@dataclass
+class MatrixState:
+    """The actor's whole state: candidates [V, K] int32, scores [V, K] float32, stamp [V] float64."""
+
+    cands: np.ndarray
+    scores: np.ndarray
+    stamp: np.ndarray
+
+    @classmethod
+    def empty(cls, vocab_size: int, k: int) -> "MatrixState":
+        return cls(np.full((vocab_size, k), EMPTY, dtype=np.int32), np.zeros((vocab_size, k), dtype=np.float32),
+                   np.zeros(vocab_size, dtype=np.float64))
+
+    def filled_rows(self) -> np.ndarray:
+        return np.flatnonzero(self.cands[:, 0] != EMPTY)
+
+
+def tokenizer_fingerprint(tokenizer) -> str:
+    """sha256 of the tokenizer's sorted ``(token, id)`` vocabulary items."""
+    items = sorted(tokenizer.get_vocab().items())
+    return hashlib.sha256(json.dumps(items, ensure_ascii=False, separators=(",", ":")).encode()).hexdigest()
+
+
+def snapshot_files(folder: Path) -> list[Path]:
+    """Snapshot files of a folder, newest first (names sort by creation time)."""
+    try:
+        names = [p for p in Path(folder).iterdir()
+                 if p.name.startswith(_PREFIX) and p.name.endswith(_SUFFIX) and p.is_file()]
+    except FileNotFoundError:
+        return []
+    return sorted(names, key=lambda p: p.name, reverse=True)
+
+
+def write_snapshot(folder: Path, state: MatrixState, identity: Identity, version: int, keep: int = 3,
+                   now: float | None = None) -> Path:
+    """Write the filled rows of ``state`` as a new snapshot (temp file + rename), then keep only the
+    ``keep`` newest snapshot files. Returns the new file."""
+    import pyarrow as pa
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    created = time.time() if now is None else now
+    vocab, k = state.cands.shape
+    if (vocab, k) != (identity.vocab_size, identity.k):
+        raise ValueError(f"state is [{vocab}, {k}] but the identity says [{identity.vocab_size}, {identity.k}]")
+    rows = state.filled_rows()
+    meta = {
+        "tr_serve.format": FORMAT,
+        "model_id": identity.model_id,
+        "namespace": identity.namespace,
+        "vocab_size": str(identity.vocab_size),
+        "k": str(identity.k),
+        "tokenizer_fingerprint": identity.tokenizer_fingerprint,
+        "version": str(int(version)),
+        "created_at": repr(float(created)),
+        "rows": str(int(rows.size)),
+    }
+    cands = state.cands[rows].astype(np.int32, copy=False).reshape(-1)
+    scores = state.scores[rows].astype(np.float32, copy=False).reshape(-1)
+    table = pa.table({
+        "row": pa.array(rows.astype(np.int32)),
+        "candidates": pa.FixedSizeListArray.from_arrays(pa.array(cands, type=pa.int32()), k),
+        "scores": pa.FixedSizeListArray.from_arrays(pa.array(scores, type=pa.float32()), k),
+        "stamp": pa.array(state.stamp[rows].astype(np.float64)),
+    }).replace_schema_metadata(meta)
+    name = f"{_PREFIX}{int(created * 1e9):020d}-v{int(version):010d}{_SUFFIX}"
+    final = folder / name
+    tmp = folder / f".{name}{_TMP_MARK}{os.getpid()}"
+    try:
+        with pa.OSFile(str(tmp), "wb") as sink:
+            with pa.ipc.new_file(sink, table.schema) as writer:
+                writer.write_table(table)
+        with open(tmp, "rb") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, final)
+    except BaseException:
+        try:
+            tmp.unlink()
+        except OSError:
+            pass
+        raise
+    _fsync_dir(folder)
+    prune(folder, keep)
+    return final
+
+
+def _fsync_dir(folder: Path) -> None:
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def prune(folder: Path, keep: int) -> list[Path]:
+    """Delete all but the ``keep`` newest snapshot files; returns the deleted ones."""
+    removed = []
+    for p in snapshot_files(folder)[max(keep, 1):]:
+        try:
+            p.unlink()
+            removed.append(p)
+        except OSError as e:
+            logger.warning("could not delete old matrix snapshot %s: %s", p, e)
+    return removed
+
+
+def remove_stale_temp_files(folder: Path) -> None:
+    """Temporary files left by a writer that died mid-write (only the one actor writes here)."""
+    try:
+        for p in Path(folder).iterdir():
+            if p.name.startswith("." + _PREFIX) and _TMP_MARK in p.name:
+                try:
+                    p.unlink()
+                except OSError:
+                    pass
+    except FileNotFoundError:
+        pass
+
+
+def read_snapshot(path: Path, expect: Identity) -> tuple[MatrixState, SnapshotMeta]:
+    """Load one snapshot for ``expect``; raises :class:`SnapshotRefused` with the reason."""
+    import pyarrow as pa
+
+    try:
+        data = Path(path).read_bytes()  # owned bytes: nothing refers to the file afterwards
+        reader = pa.ipc.open_file(pa.BufferReader(data))
+        schema = reader.schema
+        table = reader.read_all()
+    except (OSError, pa.ArrowException, ValueError) as e:
+        raise SnapshotRefused(f"unreadable Arrow IPC file ({type(e).__name__}: {e})") from None
+    raw = schema.metadata or {}
+    meta = {kk.decode("utf-8", "replace"): vv.decode("utf-8", "replace") for kk, vv in raw.items()}
+    fmt = meta.get("tr_serve.format")
+    if fmt != FORMAT:
+        raise SnapshotRefused(f"format {fmt!r} is not {FORMAT!r}")
+    try:
+        vocab, k, version = int(meta["vocab_size"]), int(meta["k"]), int(meta["version"])
+        created, nrows = float(meta["created_at"]), int(meta["rows"])
+        model_id, fingerprint = meta["model_id"], meta["tokenizer_fingerprint"]
+    except (KeyError, ValueError) as e:
+        raise SnapshotRefused(f"bad or missing metadata ({type(e).__name__}: {e})") from None
+    if model_id != expect.model_id:
+        raise SnapshotRefused(f"it belongs to model {model_id!r}, not {expect.model_id!r}")
+    if fingerprint != expect.tokenizer_fingerprint:
+        raise SnapshotRefused(f"its tokenizer fingerprint {fingerprint[:12]}... differs from this model's "
+                              f"{expect.tokenizer_fingerprint[:12]}...")
+    if vocab != expect.vocab_size:
+        raise SnapshotRefused(f"its vocabulary size is {vocab}, not {expect.vocab_size}")
+    if k != expect.k:
+        raise SnapshotRefused(f"its K is {k}, not {expect.k}")
+    try:
+        rows = np.asarray(table.column("row").to_numpy(), dtype=np.int64)
+        cands = _fixed_list(table, "candidates", k).astype(np.int32)
+        scores = _fixed_list(table, "scores", k).astype(np.float32)
+        stamp = np.asarray(table.column("stamp").to_numpy(), dtype=np.float64)
+    except (KeyError, ValueError, TypeError, pa.ArrowException) as e:
+        raise SnapshotRefused(f"bad columns ({type(e).__name__}: {e})") from None
+    n = rows.size
+    if n != nrows or cands.shape != (n, k) or scores.shape != (n, k) or stamp.shape != (n,):
+        raise SnapshotRefused(f"column lengths do not match the {nrows} rows of its metadata")
+    if n and (rows.min() < 0 or rows.max() >= vocab or np.unique(rows).size != n):
+        raise SnapshotRefused("row ids out of range or repeated")
+    if n and (cands.min() < EMPTY or cands.max() >= vocab):
+        raise SnapshotRefused("candidate token ids out of range")
+    if not (np.isfinite(scores).all() and np.isfinite(stamp).all()) or (n and scores.min() < 0):
+        raise SnapshotRefused("scores or stamps are not finite non-negative numbers")
+    state = MatrixState.empty(vocab, k)
+    state.cands[rows], state.scores[rows], state.stamp[rows] = cands, scores, stamp
+    return state, SnapshotMeta(expect, version, created, n)
+
+
+def _fixed_list(table, name: str, k: int) -> np.ndarray:
+    import pyarrow as pa
+
+    col = table.column(name).combine_chunks()
+    if not pa.types.is_fixed_size_list(col.type) or col.type.list_size != k:
+        raise ValueError(f"column {name!r} is {col.type}, not fixed_size_list[{k}]")
+    if col.null_count:
+        raise ValueError(f"column {name!r} has nulls")
+    flat = col.flatten().to_numpy(zero_copy_only=False)
+    return np.asarray(flat).reshape(len(col), k)
+
+
+def load_newest(folder: Path, expect: Identity) -> tuple[MatrixState, SnapshotMeta, Path] | None:
+    """The newest snapshot of ``folder`` that :func:`read_snapshot` accepts; refused files are
+    logged (why) and skipped. ``None`` when there is none: start empty."""
+    for path in snapshot_files(folder):
+        try:
+            state, meta = read_snapshot(path, expect)
+        except SnapshotRefused as e:
+            logger.warning("refusing matrix snapshot %s: %s; trying the next one", path, e)
+            continue
+        except Exception as e:  # never crash on a file
+            logger.warning("refusing matrix snapshot %s: unexpected %s: %s; trying the next one", path,
+                           type(e).__name__, e)
+            continue
+        logger.info("loaded matrix snapshot %s (version %d, %d rows)", path, meta.version, meta.rows)
+        return state, meta, path
+    return None
