@@ -30,18 +30,9 @@ class OneLineErrorParser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
-def _positive_int(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    return v
-
-
 def build_parser() -> OneLineErrorParser:
     from tr_serve.bench import spec_bench
+    from tr_serve.bench.spec_bench import _positive_int
 
     parser = OneLineErrorParser(prog="tr-serve", description="Lossless Token Recycling speculative decoding.")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")

@@ -14,7 +14,7 @@ import threading
 from dataclasses import dataclass
 from typing import AsyncIterator, Callable
 
-from tr_serve.engine.engine import Engine, PromptTooLongError
+from tr_serve.engine.engine import Engine, check_prompt
 from tr_serve.engine.request import RequestOutput
 from tr_serve.sampling_params import SamplingParams
 
@@ -55,13 +55,7 @@ class AsyncEngine:
     # ---- caller side (any thread with an event loop) -----------------------------------------
     def check_prompt(self, prompt_ids: list[int], params: SamplingParams) -> None:
         """Raise now, in the caller, for a request that can never be served."""
-        limit = self.engine.config.max_model_len
-        if len(prompt_ids) == 0:
-            raise ValueError("the prompt is empty")
-        if len(prompt_ids) >= limit:
-            raise PromptTooLongError(
-                f"the prompt has {len(prompt_ids)} tokens; max_model_len is {limit} and at least one token must be generated"
-            )
+        check_prompt(prompt_ids, self.engine.config.max_model_len)
 
     async def generate(self, prompt_ids: list[int], params: SamplingParams, request_id: str) -> AsyncIterator[RequestOutput]:
         """Yields outputs with the new text/tokens of each step; the last one has ``finished``.

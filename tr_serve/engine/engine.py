@@ -34,6 +34,15 @@ class PromptTooLongError(ValueError):
     """The prompt can never fit in ``max_model_len``."""
 
 
+def check_prompt(prompt_ids: list[int], max_model_len: int) -> None:
+    """Raise for a prompt that can never be served: empty, or leaving no room for one token."""
+    if len(prompt_ids) == 0:
+        raise ValueError("the prompt is empty")
+    if len(prompt_ids) >= max_model_len:
+        raise PromptTooLongError(f"the prompt has {len(prompt_ids)} tokens; max_model_len is {max_model_len} "
+                                 "and at least one token must be generated")
+
+
 class Engine:
     def __init__(self, loaded: LoadedModel, config: EngineConfig, matrix: AdjacencyMatrix | None = None,
                  timer: PhaseTimer | None = None):
@@ -77,13 +86,7 @@ class Engine:
 
     # ---- requests -------------------------------------------------------------------------
     def add_request(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None) -> str:
-        if len(prompt_ids) == 0:
-            raise ValueError("the prompt is empty")
-        if len(prompt_ids) >= self.config.max_model_len:
-            raise PromptTooLongError(
-                f"the prompt has {len(prompt_ids)} tokens; max_model_len is {self.config.max_model_len} "
-                "and at least one token must be generated"
-            )
+        check_prompt(prompt_ids, self.config.max_model_len)
         request_id = request_id or f"req-{next(_ids)}"
         if request_id in self._by_id:
             raise ValueError(f"request id {request_id!r} is already in use")

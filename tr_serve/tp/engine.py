@@ -30,7 +30,7 @@ import uuid
 from typing import Any, Callable
 
 from tr_serve.engine.config import EngineConfig
-from tr_serve.engine.engine import PromptTooLongError
+from tr_serve.engine.engine import check_prompt
 from tr_serve.engine.request import RequestOutput
 from tr_serve.sampling_params import SamplingParams
 
@@ -154,13 +154,7 @@ class TPEngine:
     # ---- requests (queued; applied on every rank before the next step) ---------------------
     def add_request(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None) -> str:
         self._raise_if_dead()
-        if len(prompt_ids) == 0:
-            raise ValueError("the prompt is empty")
-        if len(prompt_ids) >= self.config.max_model_len:
-            raise PromptTooLongError(
-                f"the prompt has {len(prompt_ids)} tokens; max_model_len is {self.config.max_model_len} "
-                "and at least one token must be generated"
-            )
+        check_prompt(prompt_ids, self.config.max_model_len)
         request_id = request_id or f"tp-req-{next(_ids)}"
         if request_id in self._known:
             raise ValueError(f"request id {request_id!r} is already in use")
