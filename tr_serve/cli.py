@@ -199,6 +199,10 @@ def cmd_bench_concurrency(args: argparse.Namespace) -> int:
     except spec_bench.BenchError as e:
         raise UsageError(str(e)) from None
     check_model_arg(args.model)
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
     device = spec_bench.resolve_device(args.device)
     loaded = load_model(args.model, device=device, dtype=args.dtype)
     encode = lambda q: encode_prompt(loaded.tokenizer, [{"role": "user", "content": q.text}])  # noqa: E731

@@ -224,11 +224,14 @@ class Engine:
                 self.matrix.recycle(draft, logits)
         with self.timer.phase("postprocess"):
             for req, out in zip(batch, emitted):
-                req.stats.accepted_per_step.append(len(out))
-                req.stats.tree_nodes_per_step.append(tree.num_nodes)
+                kept = 0  # tokens of this step that made it into the output (a stop cuts the rest)
                 for token in out.tolist():
+                    kept += 1
                     if append_token(req, token, self.eos_ids, self._context_full(req)):
                         break
+                req.stats.accepted_per_step.append(kept)
+                req.stats.dropped_at_stop = len(out) - kept
+                req.stats.tree_nodes_per_step.append(tree.num_nodes)
 
     def _context_full(self, req: Request) -> bool:
         # called before the token is appended: True when that token is the last one that fits

@@ -19,11 +19,13 @@ class FinishReason(str, Enum):
 
 @dataclass
 class RequestStats:
-    """Speculation statistics: ``accepted_per_step[i]`` tokens emitted by verification step i."""
+    """Speculation statistics: ``accepted_per_step[i]`` tokens that verification step i added to
+    the output; ``dropped_at_stop`` tokens the last step accepted past a stop point (cut)."""
 
     prompt_tokens: int = 0
     accepted_per_step: list[int] = field(default_factory=list)
     tree_nodes_per_step: list[int] = field(default_factory=list)
+    dropped_at_stop: int = 0
 
     @property
     def verification_steps(self) -> int:
@@ -82,7 +84,7 @@ class Request:
         new_ids = tuple(self.output_ids[self._sent_tokens :])
         self._sent_chars, self._sent_tokens = visible, len(self.output_ids)
         stats = RequestStats(self.stats.prompt_tokens, list(self.stats.accepted_per_step),
-                             list(self.stats.tree_nodes_per_step))  # a snapshot: the engine goes on
+                             list(self.stats.tree_nodes_per_step), self.stats.dropped_at_stop)  # a snapshot
         return RequestOutput(self.request_id, self.text if self.finished else self.text[:visible],
                              list(self.output_ids), self.finished, self.finish_reason, stats,
                              new_text, new_ids)
