@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from tr_serve.tr.budget import AcceptanceStats, LatencyTable, choose_budget, expected_rate
+from tr_serve.tr.budget import AcceptanceStats, LatencyTable, StepLatency, choose_budget, expected_rate
 from tr_serve.tr.tree import compile_tree
 
 
@@ -44,8 +44,19 @@ def test_latency_table_interpolates_and_extrapolates():
 
 def test_budget_grows_when_forwards_are_flat_and_shrinks_when_linear():
     rates = torch.tensor([0.6, 0.3, 0.2, 0.1])
-    flat = LatencyTable((1, 64), (1.0, 1.1))  # GPU-like: more tokens nearly free
-    linear = LatencyTable((1, 64), (1.0, 64.0))  # every token costs a full forward
+    flat = StepLatency(LatencyTable((1, 64), (1.0, 1.1)))  # GPU-like: more tokens nearly free
+    linear = StepLatency(LatencyTable((1, 64), (1.0, 64.0)))  # every token costs a full forward
     assert choose_budget(rates, flat, 1, (0, 1, 2, 4)) == 4
     assert choose_budget(rates, linear, 1, (0, 1, 2, 4)) == 0
-    assert expected_rate(rates, flat, 2, 0) == 2 / flat(2)
+    assert choose_budget(rates, linear, 1, (0, 1, 2, 4), explore=True) == 1  # the runner-up
+    assert expected_rate(rates, flat, 2, 0) == 2 / flat(2, 0)
+
+
+def test_measured_step_latency_overrides_the_calibrated_table():
+    rates = torch.tensor([0.6, 0.3, 0.2, 0.1])
+    latency = StepLatency(LatencyTable((1, 64), (1.0, 1.1)), alpha=1.0)
+    assert choose_budget(rates, latency, 8, (0, 4)) == 4  # the one-row table says 40 tokens cost ~1 forward
+    latency.observe(8, 0, 1.0)
+    latency.observe(8, 4, 3.0)  # measured: a batch of 8 trees costs 3 plain steps, more than it brings
+    assert latency(8, 4) == 3.0
+    assert choose_budget(rates, latency, 8, (0, 4)) == 0

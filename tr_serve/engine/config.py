@@ -22,7 +22,8 @@ class EngineConfig:
     prompt_seeding: bool = False
     max_prefill_tokens: int = 512  # prompt tokens per prefill step (chunked prefill)
     kv_cache_memory_gb: float | None = None  # caps rows x max_model_len; None = max_num_seqs rows
-    budget: str = "fixed"  # "fixed": verify the whole template; "auto": cost-aware prefix per step
+    budget: str = "fixed"
+    online_latency: bool = True  # budget "auto": correct the calibrated latency with measured steps  # "fixed": verify the whole template; "auto": cost-aware prefix per step
 
     def __post_init__(self) -> None:
         if self.k < 1:

@@ -8,6 +8,7 @@ file only wires it to the runner and to the requests' stop rules.
 from __future__ import annotations
 
 import itertools
+import time
 from collections import deque
 
 import torch
@@ -23,7 +24,7 @@ from tr_serve.sampling_params import SamplingParams
 from tr_serve.tr.matrix import AdjacencyMatrix
 from tr_serve.tr.proposer import propose
 from tr_serve.tr.tree import CompiledTree, compile_tree, load_template
-from tr_serve.tr.budget import AcceptanceStats, LatencyTable, choose_budget
+from tr_serve.tr.budget import AcceptanceStats, StepLatency, choose_budget
 from tr_serve.tr.sampling import process_logits, sample_token, walk_tree
 from tr_serve.tr.verifier import accept_greedy
 
@@ -64,7 +65,8 @@ class Engine:
         self.timer = timer or PhaseTimer(self.runner.device, enabled=False)
         # cost-aware budget: verify the best prefix of the template for this batch on this device
         self.acceptance: AcceptanceStats | None = None
-        self.latency: LatencyTable | None = None
+        self.latency: StepLatency | None = None
+        self._steps = 0
         self._prefixes: dict[int, CompiledTree] = {}
         if self.tree is not None:
             self._prefixes[self.tree.num_nodes] = self.tree
@@ -73,7 +75,7 @@ class Engine:
 
                 self.acceptance = AcceptanceStats(self.tree)
                 max_q = self.num_rows * (self.tree.num_nodes + 1)
-                self.latency = load_or_measure(self.runner, loaded.model_id, max_q)
+                self.latency = StepLatency(load_or_measure(self.runner, loaded.model_id, max_q))
                 for n in _BUDGET_CANDIDATES:
                     if n < self.tree.num_nodes:
                         self._prefixes[n] = _PLAIN if n == 0 else self.tree.prefix(n)
@@ -195,7 +197,9 @@ class Engine:
             return _PLAIN
         if self.acceptance is None:
             return self.tree
-        n = choose_budget(self.acceptance.rates, self.latency, rows, tuple(self._prefixes))
+        self._steps += 1
+        explore = self._steps % _EXPLORE_EVERY == 0
+        n = choose_budget(self.acceptance.rates, self.latency, rows, tuple(self._prefixes), explore)
         return self._prefixes[n]
 
     def _decode(self, batch: list[Request]) -> None:
@@ -205,10 +209,13 @@ class Engine:
             tree = self._choose_tree(len(batch))
             full_draft = propose(self.matrix, roots, self.tree) if self.tree is not None else roots[:, None]
             draft = full_draft[:, : tree.num_nodes + 1]  # parents precede children: a prefix is a tree
+        t0 = time.perf_counter()
         with self.timer.phase("forward"):
             logits = self.runner.verify(rows, draft, tree.depths, tree.mask)
         with self.timer.phase("accept"):
-            acceptance = accept_greedy(draft, logits, tree)
+            acceptance = accept_greedy(draft, logits, tree)  # reads logits: the forward has finished
+            if self.latency is not None and self.config.online_latency:
+                self.latency.observe(len(batch), tree.num_nodes, time.perf_counter() - t0)
             accepted, emitted = acceptance.accepted_nodes, acceptance.emitted
             for i, req in enumerate(batch):
                 p = req.params
@@ -240,3 +247,4 @@ class Engine:
 
 _PLAIN = compile_tree([], name="none")
 _BUDGET_CANDIDATES = (0, 1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
+_EXPLORE_EVERY = 16  # every 16th step verifies the runner-up budget, to keep its latency measured

@@ -163,7 +163,8 @@ class TPWorker:
         model_.to(device)
         loaded = LoadedModel(model_, loaded.tokenizer, loaded.model_id, loaded.eos_token_ids)
         with shared_calibration(self.rank, self.world_size):
-            self.engine = Engine(loaded, config)
+            # ranks must choose the same tree budget: no per-rank timing corrections online
+            self.engine = Engine(loaded, dataclasses.replace(config, online_latency=False))
         cfg = model_.config
         return {"rank": self.rank, "pid": os.getpid(), "num_rows": self.engine.num_rows,
                 "vocab_size": int(cfg.vocab_size), "eos_token_ids": tuple(loaded.eos_token_ids),

@@ -83,12 +83,35 @@ class LatencyTable:
         return s0 + (s1 - s0) * (q - t0) / (t1 - t0)
 
 
-def expected_rate(rates: torch.Tensor, latency: LatencyTable, rows: int, n: int) -> float:
+class StepLatency:
+    """Step latency by (rows, nodes): the calibrated table until a shape has been run, then the
+    measured time of that shape (moving average). The start-up table is measured on one row; a
+    batch of rows costs more than its token count says (one KV row per sequence in attention,
+    other kernel shapes), so the engine corrects it with what it observes while serving."""
+
+    def __init__(self, table: LatencyTable, alpha: float = 0.2):
+        self.table = table
+        self.alpha = alpha
+        self.seen: dict[tuple[int, int], float] = {}
+
+    def observe(self, rows: int, n: int, seconds: float) -> None:
+        old = self.seen.get((rows, n))
+        self.seen[(rows, n)] = seconds if old is None else old + self.alpha * (seconds - old)
+
+    def __call__(self, rows: int, n: int) -> float:
+        seen = self.seen.get((rows, n))
+        return seen if seen is not None else self.table(rows * (1 + n))
+
+
+def expected_rate(rates: torch.Tensor, latency: StepLatency, rows: int, n: int) -> float:
     """Expected generated tokens per second when every row verifies the first ``n`` nodes."""
     accepted = float(rates[:n].sum()) if n else 0.0
-    return rows * (1.0 + accepted) / latency(rows * (1 + n))
+    return rows * (1.0 + accepted) / latency(rows, n)
 
 
-def choose_budget(rates: torch.Tensor, latency: LatencyTable, rows: int, candidates: tuple[int, ...]) -> int:
-    """The candidate prefix size with the highest expected tokens per second (0 = plain decoding)."""
-    return max(candidates, key=lambda n: (expected_rate(rates, latency, rows, n), -n))
+def choose_budget(rates: torch.Tensor, latency: StepLatency, rows: int, candidates: tuple[int, ...],
+                  explore: bool = False) -> int:
+    """The candidate prefix size with the highest expected tokens per second (0 = plain decoding).
+    With ``explore``, the runner-up instead, so the latency of the alternatives stays measured."""
+    ranked = sorted(candidates, key=lambda n: (expected_rate(rates, latency, rows, n), -n), reverse=True)
+    return ranked[1] if explore and len(ranked) > 1 else ranked[0]
