@@ -26,7 +26,7 @@ CONFIGS = PROJECT_ROOT / "configs"
 SCHEMA_PATH = PROJECT_ROOT.parent / "shared" / "schemas" / "rayservice-v1.schema.json"
 DOCKERFILE = PROJECT_ROOT / "Dockerfile"
 DOCKERIGNORE = PROJECT_ROOT / ".dockerignore"
-README_SECTION = K8S / "README_SECTION.md"
+README_SECTION = K8S.parent / "README.md"
 
 # manifest -> the Serve config whose applications it deploys
 SERVE_CONFIG_OF = {
