@@ -79,7 +79,7 @@ class TRServeConfig(BaseModel):
     max_model_len: int = Field(default=2048, ge=2)
     device: str = "cpu"
     dtype: str = "auto"
-    prompt_seeding: bool = False
+    prompt_seeding: bool = True
     budget: Literal["fixed", "auto"] = Field(
         default="fixed", description="tree budget: 'fixed' = whole template, 'auto' = cost-aware prefix per step")
     max_prefill_tokens: int = Field(default=512, ge=1, description="prompt tokens per prefill step (chunked prefill)")
