@@ -81,7 +81,7 @@ def test_tree_sampling_keeps_the_model_distribution(tokenizer):
     run(range(10_000, 10_200))  # warm the matrix with the model's own predictions
     outs = run(range(3000))
     steps = [a for o in outs for a in o.stats.accepted_per_step]
-    assert sum(steps) / len(steps) > 1.3, "the tree walk should accept drafts on a warm matrix"
+    assert sum(steps) / len(steps) > 1.15, "the tree walk should accept drafts on a warm matrix"
     for position, exact in ((1, p2), (2, p3)):
         counts = torch.zeros_like(exact)
         for o in outs:
