@@ -31,8 +31,11 @@ def test_serve_run_cpu_config(tmp_path):
     serve_bin = Path(sys.executable).parent / "serve"
     log = (tmp_path / "serve-run.log").open("w+b")
     t0 = time.monotonic()
+    # a child inherits an ignored SIGINT (earlier in-process Ray tests may leave it ignored), and a
+    # Python started with SIGINT ignored never raises KeyboardInterrupt: restore the default for Ctrl-C
     proc = subprocess.Popen([str(serve_bin), "run", str(path)], cwd=ROOT, env=subprocess_env(),
-                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     base = f"http://127.0.0.1:{port}"
     try:
         while True:
