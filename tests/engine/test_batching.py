@@ -5,9 +5,12 @@ from __future__ import annotations
 
 import torch
 
-from conftest import chat
 from tr_serve import LLM, SamplingParams
 from tr_serve.llm import encode_prompt
+
+
+def chat(text: str) -> list[dict[str, str]]:
+    return [{"role": "user", "content": text}]
 
 
 def _first_per_category(rows, n):
