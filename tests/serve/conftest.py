@@ -16,18 +16,10 @@ os.environ.update(SERVE_ENV)  # before anything imports ray
 @pytest.fixture(scope="module")
 def ray_local():
     """A local Ray instance for one test module (shut down at its end)."""
-    import ray
-    from ray import serve
+    from local_ray import local_ray
 
-    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False,
-             configure_logging=False)
-    try:
+    with local_ray(num_cpus=2) as ray:
         yield ray
-    finally:
-        try:
-            serve.shutdown()
-        finally:
-            ray.shutdown()
 
 
 def pytest_collection_modifyitems(config, items):

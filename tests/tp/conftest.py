@@ -17,17 +17,10 @@ os.environ.update(RAY_ENV)  # before anything imports ray
 def ray_tp():
     """A local Ray instance for one test module: logical CPUs for one replica plus 3 workers
     (logical CPUs may exceed the physical ones; each worker runs one torch thread)."""
-    import ray
-    from ray import serve
+    from local_ray import local_ray
 
-    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False, configure_logging=False)
-    try:
+    with local_ray(num_cpus=4) as ray:
         yield ray
-    finally:
-        try:
-            serve.shutdown()
-        finally:
-            ray.shutdown()
 
 
 def pytest_collection_modifyitems(config, items):
