@@ -212,7 +212,8 @@ def cmd_bench_concurrency(args: argparse.Namespace) -> int:
     bar = tqdm(total=len(prompts) * len(methods) * len(args.concurrency), desc="bench", unit="req", file=sys.stderr)
     try:
         result = concurrency.run_concurrency(loaded, prompts, args.concurrency, args.max_new_tokens, methods,
-                                             warmup=warm, progress=lambda: bar.update(1))
+                                             warmup=warm, progress=lambda: bar.update(1),
+                                             cpu_kernels=args.cpu_kernels)
     finally:
         bar.close()
     result.update(model=args.model, device=device, questions=len(prompts), max_new_tokens=args.max_new_tokens)

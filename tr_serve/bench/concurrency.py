@@ -72,7 +72,8 @@ async def _serve_all(engine: AsyncEngine, prompts: list[list[int]], concurrency:
 
 
 def run_concurrency(loaded, prompts: list[list[int]], levels: list[int], max_new_tokens: int,
-                    methods=DEFAULT_METHODS, warmup: list[list[int]] | None = None, progress=None) -> dict:
+                    methods=DEFAULT_METHODS, warmup: list[list[int]] | None = None, progress=None,
+                    cpu_kernels: str = "auto") -> dict:
     """Returns ``{"concurrency": {"N": {"methods": {NAME: {...}}}}}``."""
     vocab = loaded.model.config.vocab_size
     matrices = {m.name: AdjacencyMatrix(vocab, 8) for m in methods}
@@ -81,7 +82,7 @@ def run_concurrency(loaded, prompts: list[list[int]], levels: list[int], max_new
         level: dict[str, LevelResult] = {}
         for m in methods:
             cfg = EngineConfig(model=loaded.model_id, tree=m.tree, budget=m.budget, max_num_seqs=n,
-                               max_model_len=4096)
+                               max_model_len=4096, cpu_kernels=cpu_kernels)
             engine = AsyncEngine(Engine(loaded, cfg, matrix=matrices[m.name]))
             try:
                 if warmup:

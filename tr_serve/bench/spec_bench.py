@@ -48,7 +48,7 @@ class BenchConfig:
     trees: tuple[str, ...] = ("2.2.2",)
     model: str = DEFAULT_MODEL
     json_out: str = DEFAULT_JSON
-    prompt_seeding: str = "off"
+    prompt_seeding: str = "on"
     pld: bool = True
     warmup: int = 1
     device: str = "auto"
@@ -56,6 +56,7 @@ class BenchConfig:
     k: int = 8
     time_split: bool = True
     threads: int | None = None  # torch CPU threads; None keeps torch's default
+    cpu_kernels: str = "auto"  # EngineConfig.cpu_kernels for the baseline and every TR method
 
     def validate(self) -> None:
         if not isinstance(self.per_category, int) or self.per_category < 1:
@@ -68,6 +69,8 @@ class BenchConfig:
             raise BenchError(f"--threads must be a positive integer, got {self.threads!r}")
         if self.k < 1:
             raise BenchError(f"--k must be a positive integer, got {self.k!r}")
+        if self.cpu_kernels not in ("auto", "torch"):
+            raise BenchError(f"--cpu-kernels must be 'auto' or 'torch', got {self.cpu_kernels!r}")
         if self.prompt_seeding not in SEEDING_MODES:
             raise BenchError(f"--prompt-seeding must be one of {', '.join(SEEDING_MODES)}, got {self.prompt_seeding!r}")
         if not self.trees:
@@ -298,10 +301,13 @@ def _device_name(device: str) -> str:
 def build_methods(cfg: BenchConfig) -> list[Method]:
     methods = [Method("baseline", "baseline", tree="none")]
     for spec in cfg.trees:
-        if cfg.prompt_seeding in ("off", "both"):
-            methods.append(Method(f"tr:{spec}", "tr", tree=spec, prompt_seeding=False))
+        # tr:<tree> runs as the engine does by default (prompt seeding on)
         if cfg.prompt_seeding in ("on", "both"):
-            methods.append(Method(f"tr:{spec}+seed", "tr", tree=spec, prompt_seeding=True))
+            methods.append(Method(f"tr:{spec}", "tr", tree=spec, prompt_seeding=True))
+        if cfg.prompt_seeding == "off":
+            methods.append(Method(f"tr:{spec}", "tr", tree=spec, prompt_seeding=False))
+        if cfg.prompt_seeding == "both":
+            methods.append(Method(f"tr:{spec}-noseed", "tr", tree=spec, prompt_seeding=False))
     if cfg.pld:
         methods.append(Method("pld", "pld"))
     return methods
@@ -447,7 +453,8 @@ def run_bench(cfg: BenchConfig, loaded=None, progress: bool = True) -> dict:
         if m.kind == "pld":
             continue
         m.llm = LLM(model=cfg.model, tree=m.tree, k=cfg.k, loaded=loaded, max_num_seqs=1,
-                    max_model_len=max_model_len, prompt_seeding=m.prompt_seeding, device=device)
+                    max_model_len=max_model_len, prompt_seeding=m.prompt_seeding, device=device,
+                    cpu_kernels=cfg.cpu_kernels)
         if cfg.time_split:
             m.llm.engine.timer = PhaseTimer(device, enabled=True)
 
@@ -560,9 +567,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=DEFAULT_MODEL, help=f"default: {DEFAULT_MODEL}")
     p.add_argument("--json", dest="json_out", default=DEFAULT_JSON, metavar="OUT",
                    help=f"result JSON; the chart is written beside it as .png (default: {DEFAULT_JSON})")
-    p.add_argument("--prompt-seeding", choices=SEEDING_MODES, default="off",
-                   help="seed the TR matrix from the prompt; 'both' adds a method tr:<tree>+seed per tree "
-                        "(default: off)")
+    p.add_argument("--prompt-seeding", choices=SEEDING_MODES, default="on",
+                   help="seed the TR matrix from the prompt, as the engine does by default; 'both' adds a "
+                        "method tr:<tree>-noseed per tree (default: on)")
+    p.add_argument("--cpu-kernels", choices=("auto", "torch"), default="auto",
+                   help="linear kernels of the baseline and TR methods on CPU: the fastest measured per token "
+                        "count, or torch's own (default: auto)")
     p.add_argument("--no-pld", dest="pld", action="store_false", help="skip the prompt lookup decoding peer")
     p.add_argument("--warmup", type=_non_negative_int, default=1, metavar="N",
                    help="questions decoded untimed by every method first (they warm the TR matrices too; default: 1)")
@@ -581,6 +591,7 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         trees=tuple(args.trees or ("2.2.2",)), model=args.model, json_out=args.json_out,
         prompt_seeding=args.prompt_seeding, pld=args.pld, warmup=args.warmup, device=args.device,
         dtype=args.dtype, k=args.k, time_split=args.time_split, threads=args.threads,
+        cpu_kernels=args.cpu_kernels,
     )
 
 

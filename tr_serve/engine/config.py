@@ -23,7 +23,10 @@ class EngineConfig:
     max_prefill_tokens: int = 512  # prompt tokens per prefill step (chunked prefill)
     kv_cache_memory_gb: float | None = None  # caps rows x max_model_len; None = max_num_seqs rows
     budget: str = "fixed"
-    online_latency: bool = True  # budget "auto": correct the calibrated latency with measured steps  # "fixed": verify the whole template; "auto": cost-aware prefix per step
+    online_latency: bool = True  # budget "auto": correct the calibrated latency with measured steps
+    # "auto": on CPU in float32, the fastest measured linear kernel per token count (runner/cpu_kernels.py);
+    # "torch": torch's own F.linear everywhere
+    cpu_kernels: str = "auto"
 
     def __post_init__(self) -> None:
         if self.k < 1:
@@ -32,6 +35,8 @@ class EngineConfig:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.budget not in ("fixed", "auto"):
             raise ValueError(f"budget must be 'fixed' or 'auto', got {self.budget!r}")
+        if self.cpu_kernels not in ("auto", "torch"):
+            raise ValueError(f"cpu_kernels must be 'auto' or 'torch', got {self.cpu_kernels!r}")
         if self.max_prefill_tokens < 1:
             raise ValueError(f"max_prefill_tokens must be >= 1, got {self.max_prefill_tokens}")
         if self.kv_cache_memory_gb is not None and self.kv_cache_memory_gb <= 0:

@@ -19,6 +19,7 @@ from tr_serve.engine.request import FinishReason, Request, RequestOutput
 from tr_serve.engine.stopping import append_token
 from tr_serve.engine.timing import PhaseTimer
 from tr_serve.model_loader import LoadedModel
+from tr_serve.runner.cpu_kernels import select_plan
 from tr_serve.runner.model_runner import ModelRunner, rows_within_budget
 from tr_serve.sampling_params import SamplingParams
 from tr_serve.tr.matrix import AdjacencyMatrix
@@ -59,7 +60,10 @@ class Engine:
         dtype = next(loaded.model.parameters()).dtype
         self.num_rows = rows_within_budget(loaded.model.config, max_len, dtype, config.max_num_seqs,
                                            config.kv_cache_memory_gb)
-        self.runner = ModelRunner(loaded.model, self.num_rows, max_len)
+        plan = None
+        if config.cpu_kernels == "auto" and dtype == torch.float32 and next(loaded.model.parameters()).device.type == "cpu":
+            plan = select_plan(loaded.model)
+        self.runner = ModelRunner(loaded.model, self.num_rows, max_len, kernel_plan=plan)
         vocab = loaded.model.config.vocab_size
         self.matrix = matrix if matrix is not None else AdjacencyMatrix(vocab, config.k, device=self.runner.device)
         self.timer = timer or PhaseTimer(self.runner.device, enabled=False)

@@ -26,7 +26,7 @@ def _device_name(device: torch.device) -> str:
 
 
 def calibration_key(model_id: str, runner: ModelRunner) -> str:
-    raw = f"{model_id}|{_device_name(runner.device)}|{runner.dtype}|{torch.__version__}"
+    raw = f"{model_id}|{_device_name(runner.device)}|{runner.dtype}|{torch.__version__}|{runner.kernel_plan}"
     return hashlib.sha256(raw.encode()).hexdigest()[:20]
 
 

@@ -6,8 +6,11 @@ per-query depth (position offset) and an intra-step visibility mask, and returns
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
+from tr_serve.runner.cpu_kernels import KernelPlan
 from tr_serve.runner.kv_cache import SlotKVCache
 
 
@@ -49,8 +52,9 @@ def rows_within_budget(config, max_len: int, dtype: torch.dtype, max_rows: int, 
 class ModelRunner:
     """Owns the model and its KV cache of ``num_rows`` sequences of at most ``max_len`` tokens."""
 
-    def __init__(self, model: torch.nn.Module, num_rows: int, max_len: int):
+    def __init__(self, model: torch.nn.Module, num_rows: int, max_len: int, kernel_plan: KernelPlan | None = None):
         cfg = model.config
+        self.kernel_plan = kernel_plan  # faster fp32 CPU linears inside this runner's forwards only
         self.model = model
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
@@ -73,15 +77,20 @@ class ModelRunner:
         starts = self.cache.begin_step(rows, q)
         mask = build_step_mask(starts, local, self.cache.step_kv_len, self.dtype).to(self.device)
         positions = (starts[:, None] + depths).to(self.device)
-        out = self.model.model(
-            input_ids=tokens.to(self.device), attention_mask=mask, position_ids=positions,
-            cache=self.cache, use_cache=True,
-        )
+        with self._kernels():
+            out = self.model.model(
+                input_ids=tokens.to(self.device), attention_mask=mask, position_ids=positions,
+                cache=self.cache, use_cache=True,
+            )
         return out.last_hidden_state
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.model.lm_head(hidden).float()
+        with self._kernels():
+            return self.model.lm_head(hidden).float()
+
+    def _kernels(self):
+        return self.kernel_plan.active() if self.kernel_plan is not None else contextlib.nullcontext()
 
     @torch.inference_mode()
     def prefill(self, rows: torch.Tensor, prompts: list[list[int]], all_positions: bool = False):
