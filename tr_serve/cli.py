@@ -64,6 +64,9 @@ def build_parser() -> OneLineErrorParser:
     b.add_argument("--concurrency", type=_levels, default=None, metavar="N[,N...]",
                    help="instead: N concurrent clients through the async engine per level, comparing plain "
                         "continuous batching, tr:2.2.2 and tr:auto (cost-aware tree budget)")
+    b.add_argument("--rounds", type=_positive_int, default=1, metavar="R",
+                   help="with --concurrency: serve the questions R times per method, alternating the order of "
+                        "the methods each round (default: 1)")
     b.set_defaults(func=cmd_bench)
 
     from tr_serve.bench import fleet as bench_fleet
@@ -209,11 +212,12 @@ def cmd_bench_concurrency(args: argparse.Namespace) -> int:
     prompts = [encode(q) for q in chosen]
     warm = [encode(q) for q in spec_bench.warmup_questions(chosen, rest, args.warmup)]
     methods = concurrency.DEFAULT_METHODS
-    bar = tqdm(total=len(prompts) * len(methods) * len(args.concurrency), desc="bench", unit="req", file=sys.stderr)
+    bar = tqdm(total=len(prompts) * len(methods) * len(args.concurrency) * args.rounds, desc="bench", unit="req",
+               file=sys.stderr)
     try:
         result = concurrency.run_concurrency(loaded, prompts, args.concurrency, args.max_new_tokens, methods,
                                              warmup=warm, progress=lambda: bar.update(1),
-                                             cpu_kernels=args.cpu_kernels)
+                                             cpu_kernels=args.cpu_kernels, rounds=args.rounds)
     finally:
         bar.close()
     result.update(model=args.model, device=device, questions=len(prompts), max_new_tokens=args.max_new_tokens)

@@ -25,3 +25,14 @@ def test_concurrency_bench_schema_and_identity(tokenizer, tmp_path, monkeypatch)
     png = save(result, tmp_path / "c.json")
     assert png.exists() and json.loads((tmp_path / "c.json").read_text())["concurrency"]
     assert "tr:auto" in markdown(result)
+
+
+def test_rounds_serve_every_question_once_per_round_and_stay_identical(tokenizer, tmp_path, monkeypatch):
+    monkeypatch.setenv("TR_SERVE_CACHE", str(tmp_path / "cache"))
+    loaded = tiny_loaded(tokenizer, seed=4)
+    prompts = [[9 + i, 60 + 2 * i, 300 + i] for i in range(4)]
+    done = []
+    result = run_concurrency(loaded, prompts, [2], max_new_tokens=8, rounds=3, progress=lambda: done.append(1))
+    assert result["rounds"] == 3 and len(done) == 3 * 3 * len(prompts)  # methods x rounds x questions
+    for m in result["concurrency"]["2"]["methods"].values():
+        assert m["identical"] is True

@@ -126,11 +126,12 @@ def test_engine_options_pass_through():
     from tr_serve.engine.config import EngineConfig
 
     assert TRServeConfig.from_args({}).engine_config() == EngineConfig(tree="2.2.2")  # engine defaults kept
-    cfg = TRServeConfig.from_args({"budget": "auto", "max_prefill_tokens": 64, "kv_cache_memory_gb": 0.5})
+    cfg = TRServeConfig.from_args({"budget": "auto", "max_prefill_tokens": 64, "kv_cache_memory_gb": 0.5,
+                                   "cpu_kernels": "torch"})
     e = cfg.engine_config()
-    assert (e.budget, e.max_prefill_tokens, e.kv_cache_memory_gb) == ("auto", 64, 0.5)
+    assert (e.budget, e.max_prefill_tokens, e.kv_cache_memory_gb, e.cpu_kernels) == ("auto", 64, 0.5, "torch")
     for bad, key in (({"budget": "smart"}, "budget"), ({"max_prefill_tokens": 0}, "max_prefill_tokens"),
-                     ({"kv_cache_memory_gb": 0}, "kv_cache_memory_gb")):
+                     ({"kv_cache_memory_gb": 0}, "kv_cache_memory_gb"), ({"cpu_kernels": "fast"}, "cpu_kernels")):
         with pytest.raises(ConfigError, match=key):
             TRServeConfig.from_args(bad)
 

@@ -25,14 +25,37 @@ def test_stats_count_only_known_outcomes():
     assert stats.hits.tolist() == [1.0, 0.0, 1.0, 0.0]
 
 
-def test_stats_failed_ancestor_makes_unverified_descendants_known_wrong():
+def test_stats_observe_a_node_only_when_its_parent_path_was_accepted():
     tree = _tree()
     stats = AcceptanceStats(tree, decay=1.0, prior_weight=0.0)
     draft = torch.tensor([[10, 11, 12, 13, 14]])
     choice = torch.tensor([[99]])  # only the root verified (plain decoding): both children wrong
     stats.update(draft, choice)
-    assert stats.trials.tolist() == [1.0, 1.0, 1.0, 1.0]  # node 3 and 4 descend from wrong node 1
+    # nodes 3 and 4 descend from the wrong node 1: their conditional rate is not observed (counting
+    # them as failures would only ever record failures for nodes beyond the budget)
+    assert stats.trials.tolist() == [1.0, 1.0, 0.0, 0.0]
     assert stats.hits.tolist() == [0.0, 0.0, 0.0, 0.0]
+
+
+def test_path_rates_stay_unbiased_when_the_budget_hides_the_deeper_nodes():
+    # node 1 right half the time, node 3 right after node 1 half the time: p3 = 0.25. Verify the
+    # full tree 1 step in 10, the root only (plain decoding) otherwise.
+    tree = _tree()
+    stats = AcceptanceStats(tree, decay=1.0, prior_weight=0.0)
+    gen = torch.Generator().manual_seed(0)
+    for step in range(8000):
+        first_ok = bool(torch.rand((), generator=gen) < 0.5)
+        second_ok = bool(torch.rand((), generator=gen) < 0.5)
+        draft = torch.tensor([[10, 11, 12, 13, 14]])
+        after_root = 11 if first_ok else 50
+        after_node1 = 13 if second_ok else 51
+        full = [after_root, after_node1, 52, 14, 53]
+        v = 5 if step % 10 == 0 else 1
+        stats.update(draft, torch.tensor([full[:v]]))
+    rates = stats.rates
+    assert abs(float(rates[0]) - 0.5) < 0.03
+    assert abs(float(rates[2]) - 0.25) < 0.05  # counting "known only when failed" gives ~0.05
+    assert float(rates[1]) == 0.0
 
 
 def test_latency_table_interpolates_and_extrapolates():

@@ -41,6 +41,20 @@ class LevelResult:
     wall_s: float = 0.0
     per_request_tps: list[float] = field(default_factory=list)
     budgets: list[int] = field(default_factory=list)
+    round_outputs: list[dict[int, list[int]]] = field(default_factory=list)  # set by _merge
+
+
+def _merge(results: list[LevelResult]) -> LevelResult:
+    """One result over several rounds: sums, with the first round's outputs and every round's kept."""
+    merged = LevelResult(outputs=results[0].outputs, round_outputs=[r.outputs for r in results])
+    for r in results:
+        merged.accepted += r.accepted
+        merged.steps += r.steps
+        merged.tokens += r.tokens
+        merged.wall_s += r.wall_s
+        merged.per_request_tps += r.per_request_tps
+        merged.budgets += r.budgets
+    return merged
 
 
 async def _serve_all(engine: AsyncEngine, prompts: list[list[int]], concurrency: int, max_new_tokens: int,
@@ -73,24 +87,39 @@ async def _serve_all(engine: AsyncEngine, prompts: list[list[int]], concurrency:
 
 def run_concurrency(loaded, prompts: list[list[int]], levels: list[int], max_new_tokens: int,
                     methods=DEFAULT_METHODS, warmup: list[list[int]] | None = None, progress=None,
-                    cpu_kernels: str = "auto") -> dict:
-    """Returns ``{"concurrency": {"N": {"methods": {NAME: {...}}}}}``."""
+                    cpu_kernels: str = "auto", rounds: int = 1) -> dict:
+    """Returns ``{"concurrency": {"N": {"methods": {NAME: {...}}}}}``.
+
+    With ``rounds`` > 1 every method serves all prompts once per round, the order of the methods
+    reversed every other round (A B C, C B A, ...), so slow drifts of the machine hit all methods
+    alike; throughput is total tokens over total wall time, and ``identical`` holds for every round.
+    Each method keeps its engine (matrix, acceptance and latency estimates) across rounds; a new
+    step thread per run lets the previous one's OpenMP workers go (see engine/openmp.py).
+    """
+    if rounds < 1:
+        raise ValueError(f"rounds must be >= 1, got {rounds}")
     vocab = loaded.model.config.vocab_size
     matrices = {m.name: AdjacencyMatrix(vocab, 8) for m in methods}
-    out: dict = {"concurrency": {}}
+    out: dict = {"concurrency": {}, "rounds": rounds}
     for n in levels:
-        level: dict[str, LevelResult] = {}
+        cores = {}
         for m in methods:
             cfg = EngineConfig(model=loaded.model_id, tree=m.tree, budget=m.budget, max_num_seqs=n,
                                max_model_len=4096, cpu_kernels=cpu_kernels)
-            engine = AsyncEngine(Engine(loaded, cfg, matrix=matrices[m.name]))
-            try:
-                if warmup:
-                    asyncio.run(_serve_all(engine, warmup, n, max_new_tokens, f"warm-{m.name}-{n}"))
-                level[m.name] = asyncio.run(_serve_all(engine, prompts, n, max_new_tokens, f"{m.name}-{n}",
-                                                       progress))
-            finally:
-                engine.shutdown()
+            cores[m.name] = Engine(loaded, cfg, matrix=matrices[m.name])
+        runs: dict[str, list[LevelResult]] = {m.name: [] for m in methods}
+        for r in range(rounds):
+            order = list(methods) if r % 2 == 0 else list(reversed(methods))
+            for m in order:
+                engine = AsyncEngine(cores[m.name])
+                try:
+                    if warmup and r == 0:
+                        asyncio.run(_serve_all(engine, warmup, n, max_new_tokens, f"warm-{m.name}-{n}"))
+                    runs[m.name].append(asyncio.run(_serve_all(engine, prompts, n, max_new_tokens,
+                                                               f"{m.name}-{n}-r{r}", progress)))
+                finally:
+                    engine.shutdown()
+        level = {name: _merge(results) for name, results in runs.items()}
         base = level[methods[0].name]
         table = {}
         for name, r in level.items():
@@ -98,7 +127,7 @@ def run_concurrency(loaded, prompts: list[list[int]], levels: list[int], max_new
                 "throughput_tokens_per_s": r.tokens / r.wall_s,
                 "tokens_per_s": sum(r.per_request_tps) / len(r.per_request_tps),
                 "mat": r.accepted / max(1, r.steps),
-                "identical": all(r.outputs[i] == base.outputs[i] for i in base.outputs),
+                "identical": all(out_r[i] == base.outputs[i] for out_r in r.round_outputs for i in base.outputs),
                 "throughput_vs_baseline": (r.tokens / r.wall_s) / (base.tokens / base.wall_s),
                 "mean_tree_nodes": sum(r.budgets) / max(1, len(r.budgets)),
             }

@@ -71,6 +71,10 @@ class Engine:
         self.acceptance: AcceptanceStats | None = None
         self.latency: StepLatency | None = None
         self._steps = 0
+        # prompt seeding runs the LM head over every prompt position: worth it only while the budget
+        # verifies tree nodes (measured: at 8 clients, where "auto" settles on plain decoding, seeding
+        # cost more than the tree earned)
+        self._tree_in_use = True
         self._prefixes: dict[int, CompiledTree] = {}
         if self.tree is not None:
             self._prefixes[self.tree.num_nodes] = self.tree
@@ -169,7 +173,7 @@ class Engine:
             chunks.append(chunk)
             budget -= len(chunk)
         rows = torch.tensor([r.row for r in batch])
-        seeding = self.tree is not None and self.config.prompt_seeding
+        seeding = self.tree is not None and self.config.prompt_seeding and self._tree_in_use
         with self.timer.phase("forward"):
             last_logits, every = self.runner.prefill(rows, chunks, all_positions=seeding)
         done = []
@@ -204,6 +208,8 @@ class Engine:
         self._steps += 1
         explore = self._steps % _EXPLORE_EVERY == 0
         n = choose_budget(self.acceptance.rates, self.latency, rows, tuple(self._prefixes), explore)
+        if not explore:
+            self._tree_in_use = n > 0
         return self._prefixes[n]
 
     def _decode(self, batch: list[Request]) -> None:

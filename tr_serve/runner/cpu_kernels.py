@@ -25,6 +25,7 @@ import contextlib
 import hashlib
 import json
 import logging
+import os
 import platform
 import threading
 import time
@@ -183,7 +184,7 @@ def select_plan(model: nn.Module) -> KernelPlan | None:
         plan, seconds = measure_plan(linears)
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_suffix(".tmp")
+            tmp = path.with_suffix(f".{os.getpid()}.tmp")  # TP ranks may write the same plan at once
             tmp.write_text(json.dumps({"points": plan.points, "kernels": plan.kernels,
                                        "seconds": {str(n): t for n, t in seconds.items()}}))
             tmp.replace(path)

@@ -86,6 +86,9 @@ class TRServeConfig(BaseModel):
     kv_cache_memory_gb: Optional[float] = Field(default=None, gt=0,
                                                 description="caps KV rows x max_model_len; default: max_num_seqs rows")
     cpu_threads: Optional[int] = Field(default=None, ge=1, description="torch.set_num_threads in the model replica")
+    cpu_kernels: Literal["auto", "torch"] = Field(
+        default="auto", description="float32 on CPU: 'auto' = fastest measured linear kernel per token count, "
+                                    "'torch' = torch's F.linear")
     fleet: FleetSyncConfig = Field(default_factory=FleetSyncConfig,
                                    description="fleet-wide hot start: replicas share one adjacency matrix (tr_serve.fleet)")
     tensor_parallel_size: int = Field(default=1, ge=1, description="ranks the model is split over (tr_serve.tp); "
@@ -182,7 +185,8 @@ class TRServeConfig(BaseModel):
         return EngineConfig(model=self.model, tree=self.tree, k=self.k, max_num_seqs=self.max_num_seqs,
                             max_model_len=self.max_model_len, device=self.device, dtype=self.dtype,
                             prompt_seeding=self.prompt_seeding, max_prefill_tokens=self.max_prefill_tokens,
-                            kv_cache_memory_gb=self.kv_cache_memory_gb, budget=self.budget)
+                            kv_cache_memory_gb=self.kv_cache_memory_gb, budget=self.budget,
+                            cpu_kernels=self.cpu_kernels)
 
     def resolved_api_keys(self, include_env: bool = True) -> list[str]:
         keys = [k.get_secret_value() for k in self.api_keys]

@@ -18,24 +18,40 @@ from tr_serve.tr.tree import CompiledTree, path_prior
 
 
 class AcceptanceStats:
-    """Decayed per-node counts of "this node's whole path was correct".
+    """Per-node acceptance estimates, kept as decayed counts of "this node's token was the model's
+    choice, given that its parent's path was accepted" (a conditional rate ``q_i``); the path rate
+    ``p_i`` of a node is the product of the ``q`` along its path.
 
-    The full template is always drafted, even when only a prefix is verified: a node whose parent
-    was verified (or whose path is already known to be wrong) still gets an observation, so the
-    estimates just past the current budget stay fresh and the budget can grow again.
+    Why conditional: a node whose parent lies beyond this step's budget has no model token to be
+    compared with. Counting it only when an ancestor already failed (the one case where its outcome
+    is known) would record failures and never successes, so the estimates of nodes just past the
+    budget would sink and the budget could never grow back. A conditional rate is observed exactly
+    when its parent's path was verified and accepted, which is unbiased whatever the budget.
     """
 
     def __init__(self, tree: CompiledTree, decay: float = 0.995, prior_weight: float = 4.0):
         self.tree = tree
         self.decay = decay
-        prior = torch.tensor([path_prior(p) for p in tree.template], dtype=torch.float64)
+        path = torch.tensor([1.0] + [path_prior(p) for p in tree.template], dtype=torch.float64)
+        self._parents = tree.parents.cpu()
+        prior = path[1:] / path[self._parents[1:]]  # conditional prior q_i = prior(path) / prior(parent path)
         self.hits = prior * prior_weight
         self.trials = torch.full_like(prior, prior_weight)
 
     @property
+    def conditional_rates(self) -> torch.Tensor:
+        """q_i for nodes 1..n (index 0 here = node 1); 0 where nothing has been observed."""
+        return torch.where(self.trials > 0, self.hits / self.trials.clamp(min=1e-12), torch.zeros_like(self.hits))
+
+    @property
     def rates(self) -> torch.Tensor:
-        """Estimated p_i for nodes 1..n (index 0 here = node 1)."""
-        return self.hits / self.trials
+        """Estimated path rates p_i for nodes 1..n (index 0 here = node 1)."""
+        q = self.conditional_rates
+        p = torch.ones(self.tree.num_nodes + 1, dtype=torch.float64)
+        for lo, hi in self.tree.level_slices:  # parents are resolved a level before their children
+            idx = self.tree.level_order[lo:hi]
+            p[idx] = p[self._parents[idx]] * q[idx - 1]
+        return p[1:]
 
     def update(self, draft: torch.Tensor, choice: torch.Tensor) -> None:
         """draft [b, N+1] drafted tokens of the full template; choice [b, v] the model's token after
@@ -43,24 +59,24 @@ class AcceptanceStats:
         tree = self.tree
         n = tree.num_nodes
         b = draft.shape[0]
-        known = torch.zeros(b, n + 1, dtype=torch.bool)
-        ok = torch.zeros(b, n + 1, dtype=torch.bool)
-        known[:, 0] = True
+        ok = torch.zeros(b, n + 1, dtype=torch.bool)  # the node's whole path was accepted
+        observed = torch.zeros(b, n + 1, dtype=torch.bool)  # the node was compared with the model's choice
         ok[:, 0] = True
-        # level by level: a node's parent is resolved before the node
         v = choice.shape[1]
         choice, draft = choice.cpu(), draft.cpu()
         for lo, hi in tree.level_slices:
             idx = tree.level_order[lo:hi]  # [m]
-            par = tree.parents[idx]
-            par_verified = par < v  # the model's token after the parent is known
+            par = self._parents[idx]
+            if not bool((par < v).any()):
+                break  # no parent on this level was verified, so none deeper was either
+            seen = ok[:, par] & (par < v)  # parent accepted and the model's token after it is known
             correct = draft[:, idx] == choice[:, par.clamp(max=v - 1)]
-            ok[:, idx] = ok[:, par] & correct & par_verified
-            known[:, idx] = torch.where(par_verified, known[:, par], known[:, par] & ~ok[:, par])
+            observed[:, idx] = seen
+            ok[:, idx] = seen & correct
         self.hits *= self.decay
         self.trials *= self.decay
         self.hits += ok[:, 1:].double().sum(0)
-        self.trials += known[:, 1:].double().sum(0)
+        self.trials += observed[:, 1:].double().sum(0)
 
 
 @dataclass(frozen=True)
