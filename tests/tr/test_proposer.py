@@ -91,3 +91,13 @@ def test_prefix_draft_is_prefix_of_full_draft():
     full_draft = propose(m, roots, full)
     for n in (1, 4, 16, 32):
         assert torch.equal(propose(m, roots, full.prefix(n)), full_draft[:, : n + 1])
+
+
+def test_max_depth_fills_only_the_shallow_levels():
+    m = matrix_from({1: [2, 3], 2: [4, 5], 4: [6, 7]})
+    full = propose(m, torch.tensor([1]), SMALL)
+    one = propose(m, torch.tensor([1]), SMALL, max_depth=1)
+    two = propose(m, torch.tensor([1]), SMALL, max_depth=2)
+    assert full[0].tolist() == [1, 2, 3, 4, 5, 6]
+    assert one[0].tolist() == [1, 2, 3, EMPTY, EMPTY, EMPTY]
+    assert two[0].tolist() == [1, 2, 3, 4, 5, EMPTY]

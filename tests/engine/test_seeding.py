@@ -1,0 +1,46 @@
+"""Prompt seeding follows the budget: always with a fixed tree, only while "auto" verifies nodes."""
+
+from __future__ import annotations
+
+import pytest
+
+from tiny_model import tiny_loaded
+from tr_serve.engine.config import EngineConfig
+from tr_serve.engine.engine import Engine
+from tr_serve.sampling_params import SamplingParams
+
+
+def _seeded_prefills(engine: Engine, n_requests: int = 2) -> list[bool]:
+    calls = []
+    real = engine.runner.prefill
+
+    def prefill(rows, chunks, all_positions=False):
+        calls.append(all_positions)
+        return real(rows, chunks, all_positions)
+
+    engine.runner.prefill = prefill
+    for i in range(n_requests):
+        engine.add_request([5 + i, 77, 300, 12 + i], SamplingParams(max_tokens=4))
+        while engine.has_unfinished():
+            engine.step()
+    return calls
+
+
+@pytest.mark.parametrize("budget", ["fixed", "auto"])
+def test_seeding_follows_the_budget(tokenizer, tmp_path, monkeypatch, budget):
+    monkeypatch.setenv("TR_SERVE_CACHE", str(tmp_path))
+    engine = Engine(tiny_loaded(tokenizer, seed=6), EngineConfig(model="tiny", tree="top4", budget=budget,
+                                                                 max_num_seqs=1, max_model_len=64))
+    assert _seeded_prefills(engine) == [True, True]  # a fresh engine seeds
+    if budget == "auto":
+        # plain decoding wins every step: once the moving average of the budget is below one node,
+        # the LM head over the prompt is not run any more
+        import tr_serve.engine.engine as engine_module
+
+        monkeypatch.setattr(engine_module, "choose_budget", lambda *args, **kwargs: 0)
+        for _ in range(3):
+            _seeded_prefills(engine, 1)
+        assert engine._mean_budget < 1.0
+        assert _seeded_prefills(engine) == [False, False]
+    else:
+        assert _seeded_prefills(engine) == [True, True]
