@@ -8,6 +8,7 @@ import concurrent.futures
 import logging
 import os
 import random
+import re
 import time
 import uuid
 from types import SimpleNamespace
@@ -195,9 +196,11 @@ def test_actor_killed_mid_traffic_restarts_from_disk_and_sync_resumes(ray_local,
             return info if info["epoch"] != before["epoch"] else None
 
         after = await wait_for(restarted, 90, "the actor to restart")
-        # it came back with the newest snapshot on disk (which is at least what it had saved before)
-        assert after["loaded_from"] is not None and after["version"] >= before["saved_version"]
-        assert after["loaded_from"].endswith(f"-v{after['version']:010d}.arrow")
+        # it came back with the newest snapshot on disk (which is at least what it had saved before);
+        # the replicas' pushes may have raised the version again before this first answer
+        assert after["loaded_from"] is not None
+        loaded_version = int(re.search(r"-v(\d+)\.arrow$", after["loaded_from"]).group(1))
+        assert before["saved_version"] <= loaded_version <= after["version"]
         assert after["filled_rows"] > 0
 
         async def resumed():

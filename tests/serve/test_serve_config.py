@@ -31,7 +31,7 @@ def test_cpu_yaml_binds_loopback_port_8000_and_the_embedded_model():
     raw = yaml.safe_load((CONFIGS / "smollm2-cpu.yaml").read_text())
     assert raw["http_options"] == {"host": "127.0.0.1", "port": 8000}
     cfg = TRServeConfig.from_args(raw["applications"][0]["args"])
-    assert (cfg.model, cfg.device, cfg.tree) == ("smollm2-135m-instruct", "cpu", "top4")
+    assert (cfg.model, cfg.device, cfg.tree, cfg.budget) == ("smollm2-135m-instruct", "cpu", "2.2.2", "auto")
 
 
 def test_llama70b_yaml_builds_an_8_gpu_tensor_parallel_replica():
