@@ -23,8 +23,6 @@ def _linear(out_f: int, in_f: int, bias: bool, seed: int = 0) -> nn.Linear:
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("n", [1, 2, 3, 8, 33])
 def test_every_kernel_matches_f_linear(kernel, bias, n):
-    if kernel == "onednn" and not ck.onednn_available():
-        pytest.skip("torch built without oneDNN")
     lin = _linear(96, 40, bias)
     model = nn.Sequential(lin)
     [m] = ck.kernel_linears(model)
@@ -90,10 +88,8 @@ def test_runner_logits_match_torch_kernels(tokenizer):
     from tests.tiny_model import tiny_loaded
 
     model = tiny_loaded(tokenizer, seed=5, init_range=0.05).model
-    plan = ck.KernelPlan(points=(1, 2, 64), kernels=("mkl_nt", "mkl_nt", "onednn" if ck.onednn_available() else "mkl_nt"))
-    ck.kernel_linears(model)
-    if "onednn" in plan.kernels:
-        ck._pack(ck.kernel_linears(model))
+    plan = ck.KernelPlan(points=(1, 2, 64), kernels=("mkl_nt", "mkl_nt", "onednn"))
+    ck._pack(ck.kernel_linears(model))
     prompt = [[5, 17, 99, 3, 250, 8]]
     tokens = torch.tensor([[7, 9, 11, 13]])
     depths = torch.tensor([0, 1, 1, 2])

@@ -20,11 +20,3 @@ def ray_local():
 
     with local_ray(num_cpus=2) as ray:
         yield ray
-
-
-def pytest_collection_modifyitems(config, items):
-    # Ray's own pydantic models emit deprecation warnings on import; they are not ours to fix
-    here = os.path.dirname(__file__)
-    for item in items:
-        if str(item.fspath).startswith(here):
-            item.add_marker(pytest.mark.filterwarnings("ignore::DeprecationWarning"))

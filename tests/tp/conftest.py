@@ -21,11 +21,3 @@ def ray_tp():
 
     with local_ray(num_cpus=4) as ray:
         yield ray
-
-
-def pytest_collection_modifyitems(config, items):
-    # Ray's own pydantic models emit deprecation warnings on import; they are not ours to fix
-    here = os.path.dirname(__file__)
-    for item in items:
-        if str(item.fspath).startswith(here):
-            item.add_marker(pytest.mark.filterwarnings("ignore::DeprecationWarning"))

@@ -29,6 +29,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
+from tr_serve.engine.config import CPU_KERNEL_MODES
+
 DEFAULT_QUESTIONS = os.path.join("..", "shared", "data", "spec_bench_dev.jsonl")
 DEFAULT_MODEL = "smollm2-135m-instruct"
 DEFAULT_JSON = os.path.join("bench_out", "bench.json")
@@ -69,7 +71,7 @@ class BenchConfig:
             raise BenchError(f"--threads must be a positive integer, got {self.threads!r}")
         if self.k < 1:
             raise BenchError(f"--k must be a positive integer, got {self.k!r}")
-        if self.cpu_kernels not in ("auto", "torch"):
+        if self.cpu_kernels not in CPU_KERNEL_MODES:
             raise BenchError(f"--cpu-kernels must be 'auto' or 'torch', got {self.cpu_kernels!r}")
         if self.prompt_seeding not in SEEDING_MODES:
             raise BenchError(f"--prompt-seeding must be one of {', '.join(SEEDING_MODES)}, got {self.prompt_seeding!r}")
@@ -570,7 +572,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompt-seeding", choices=SEEDING_MODES, default="on",
                    help="seed the TR matrix from the prompt, as the engine does by default; 'both' adds a "
                         "method tr:<tree>-noseed per tree (default: on)")
-    p.add_argument("--cpu-kernels", choices=("auto", "torch"), default="auto",
+    p.add_argument("--cpu-kernels", choices=CPU_KERNEL_MODES, default="auto",
                    help="linear kernels of the baseline and TR methods on CPU: the fastest measured per token "
                         "count, or torch's own (default: auto)")
     p.add_argument("--no-pld", dest="pld", action="store_false", help="skip the prompt lookup decoding peer")

@@ -14,8 +14,6 @@ import threading
 from dataclasses import dataclass
 from typing import AsyncIterator, Callable
 
-import torch
-
 from tr_serve.engine.engine import Engine, check_prompt
 from tr_serve.engine.openmp import release_thread_openmp_pool
 from tr_serve.engine.request import RequestOutput
@@ -52,9 +50,7 @@ class AsyncEngine:
         self._wake = threading.Event()
         self._stopped = False
         self.error: BaseException | None = None
-        # torch's intra-op thread count is per OS thread (OpenMP): the step thread takes the creator's
-        self._torch_threads = torch.get_num_threads()
-        # and this thread's idle OpenMP workers would slow the step thread's team (see openmp.py)
+        # this thread's idle OpenMP workers would slow the step thread's team (see openmp.py)
         release_thread_openmp_pool()
         self._thread = threading.Thread(target=self._loop, name="tr-serve-engine", daemon=True)
         self._thread.start()
@@ -157,7 +153,6 @@ class AsyncEngine:
                 loop.call_soon_threadsafe(_settle, future, result, error)
 
     def _loop(self) -> None:
-        torch.set_num_threads(self._torch_threads)
         while not self._stopped:
             self._apply_commands()
             if not self.engine.has_unfinished():

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+CPU_KERNEL_MODES = ("auto", "torch")  # measured kernel per token count (runner/cpu_kernels.py), or F.linear
+
 
 @dataclass(frozen=True)
 class EngineConfig:
@@ -35,7 +37,7 @@ class EngineConfig:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.budget not in ("fixed", "auto"):
             raise ValueError(f"budget must be 'fixed' or 'auto', got {self.budget!r}")
-        if self.cpu_kernels not in ("auto", "torch"):
+        if self.cpu_kernels not in CPU_KERNEL_MODES:
             raise ValueError(f"cpu_kernels must be 'auto' or 'torch', got {self.cpu_kernels!r}")
         if self.max_prefill_tokens < 1:
             raise ValueError(f"max_prefill_tokens must be >= 1, got {self.max_prefill_tokens}")

@@ -60,9 +60,7 @@ class Engine:
         dtype = next(loaded.model.parameters()).dtype
         self.num_rows = rows_within_budget(loaded.model.config, max_len, dtype, config.max_num_seqs,
                                            config.kv_cache_memory_gb)
-        plan = None
-        if config.cpu_kernels == "auto" and dtype == torch.float32 and next(loaded.model.parameters()).device.type == "cpu":
-            plan = select_plan(loaded.model)
+        plan = select_plan(loaded.model) if config.cpu_kernels == "auto" else None  # None unless fp32 on CPU
         self.runner = ModelRunner(loaded.model, self.num_rows, max_len, kernel_plan=plan)
         vocab = loaded.model.config.vocab_size
         self.matrix = matrix if matrix is not None else AdjacencyMatrix(vocab, config.k, device=self.runner.device)

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
 import platform
 import time
 
 import torch
 
+from tr_serve.disk_cache import load_json, save_json
 from tr_serve.model_loader import cache_root
 from tr_serve.runner.model_runner import ModelRunner
 from tr_serve.tr.budget import LatencyTable
@@ -64,22 +64,17 @@ def measure(runner: ModelRunner, max_tokens: int, context: int = 256, repeats: i
 
 def load_or_measure(runner: ModelRunner, model_id: str, max_tokens: int) -> LatencyTable:
     path = cache_root() / "calibration" / f"{calibration_key(model_id, runner)}.json"
-    if path.exists():
-        try:
-            data = json.loads(path.read_text())
-            table = LatencyTable(tuple(data["tokens"]), tuple(data["seconds"]))
-            if table.tokens and table.tokens[-1] >= min(max_tokens, POINTS[-1]):
-                return table
-        except (OSError, ValueError, KeyError) as e:
-            logger.warning("ignoring unreadable calibration %s: %s", path, e)
+    table = load_json(path, lambda data: parse_table(data, max_tokens), "calibration")
+    if table is not None:
+        return table
     logger.info("calibrating forward latency on %s (cached in %s)", _device_name(runner.device), path)
     table = measure(runner, max_tokens)
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"tokens": table.tokens, "seconds": table.seconds,
-                                   "device": _device_name(runner.device), "model": model_id}))
-        tmp.replace(path)
-    except OSError as e:
-        logger.warning("could not cache calibration in %s: %s", path, e)
+    save_json(path, {"tokens": table.tokens, "seconds": table.seconds, "device": _device_name(runner.device),
+                     "model": model_id}, "calibration")
     return table
+
+
+def parse_table(data: dict, max_tokens: int) -> LatencyTable | None:
+    """A cached table, or None when it does not reach ``max_tokens`` query tokens."""
+    table = LatencyTable(tuple(data["tokens"]), tuple(data["seconds"]))
+    return table if table.tokens and table.tokens[-1] >= min(max_tokens, POINTS[-1]) else None

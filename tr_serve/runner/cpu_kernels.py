@@ -23,9 +23,7 @@ from __future__ import annotations
 import bisect
 import contextlib
 import hashlib
-import json
 import logging
-import os
 import platform
 import threading
 import time
@@ -157,9 +155,17 @@ def plan_key(linears: list[KernelLinear]) -> str:
     return hashlib.sha256(raw.encode()).hexdigest()[:20]
 
 
+def _parse_plan(data: dict) -> KernelPlan:
+    plan = KernelPlan(tuple(data["points"]), tuple(data["kernels"]))
+    if any(k not in KERNELS for k in plan.kernels) or len(plan.points) != len(plan.kernels):
+        raise ValueError("unknown kernel or mismatched lengths")
+    return plan
+
+
 def select_plan(model: nn.Module) -> KernelPlan | None:
     """The kernel plan for ``model`` on this CPU: loaded from the cache or measured (a few seconds
     for SmolLM2-135M). None when the model has no fp32 CPU linears."""
+    from tr_serve.disk_cache import load_json, save_json
     from tr_serve.model_loader import cache_root
 
     cached = getattr(model, "_tr_kernel_plan", None)
@@ -169,27 +175,12 @@ def select_plan(model: nn.Module) -> KernelPlan | None:
     if not linears:
         return None
     path = cache_root() / "kernels" / f"{plan_key(linears)}.json"
-    plan = None
-    if path.exists():
-        try:
-            data = json.loads(path.read_text())
-            plan = KernelPlan(tuple(data["points"]), tuple(data["kernels"]))
-            if any(k not in KERNELS for k in plan.kernels) or len(plan.points) != len(plan.kernels):
-                raise ValueError("unknown kernel")
-        except (OSError, ValueError, KeyError, TypeError) as e:
-            logger.warning("ignoring unreadable kernel plan %s: %s", path, e)
-            plan = None
+    plan = load_json(path, _parse_plan, "kernel plan")
     if plan is None:
         logger.info("measuring CPU linear kernels (cached in %s)", path)
         plan, seconds = measure_plan(linears)
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_suffix(f".{os.getpid()}.tmp")  # TP ranks may write the same plan at once
-            tmp.write_text(json.dumps({"points": plan.points, "kernels": plan.kernels,
-                                       "seconds": {str(n): t for n, t in seconds.items()}}))
-            tmp.replace(path)
-        except OSError as e:
-            logger.warning("could not cache the kernel plan in %s: %s", path, e)
+        save_json(path, {"points": plan.points, "kernels": plan.kernels,
+                         "seconds": {str(n): t for n, t in seconds.items()}}, "kernel plan")
     elif "onednn" in plan.kernels:
         _pack(linears)
     model._tr_kernel_plan = plan

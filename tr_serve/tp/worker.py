@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import json
 import logging
 import os
 import socket
@@ -71,35 +70,23 @@ def shared_calibration(rank: int, world_size: int):
     """
     import torch.distributed as dist
 
+    from tr_serve.disk_cache import load_json, save_json
     from tr_serve.runner import calibration as cal
-    from tr_serve.tr.budget import LatencyTable
 
     original = cal.load_or_measure
 
     def load_or_measure(runner, model_id: str, max_tokens: int):
         path = cal.cache_root() / "calibration" / f"{cal.calibration_key(f'{model_id}|tp{world_size}', runner)}.json"
         box: list[Any] = [None]
-        if rank == 0 and path.exists():
-            try:
-                data = json.loads(path.read_text())
-                table = LatencyTable(tuple(data["tokens"]), tuple(data["seconds"]))
-                if table.tokens and table.tokens[-1] >= min(max_tokens, cal.POINTS[-1]):
-                    box[0] = table
-            except (OSError, ValueError, KeyError) as e:
-                logger.warning("ignoring unreadable calibration %s: %s", path, e)
+        if rank == 0:
+            box[0] = load_json(path, lambda data: cal.parse_table(data, max_tokens), "calibration")
         dist.broadcast_object_list(box, src=0)
         if box[0] is None:
             box = [cal.measure(runner, max_tokens)]
             dist.broadcast_object_list(box, src=0)  # every rank adopts rank 0's timings
             if rank == 0:
-                try:
-                    path.parent.mkdir(parents=True, exist_ok=True)
-                    tmp = path.with_suffix(".tmp")
-                    tmp.write_text(json.dumps({"tokens": box[0].tokens, "seconds": box[0].seconds,
-                                               "model": model_id, "tensor_parallel_size": world_size}))
-                    tmp.replace(path)
-                except OSError as e:
-                    logger.warning("could not cache calibration in %s: %s", path, e)
+                save_json(path, {"tokens": box[0].tokens, "seconds": box[0].seconds, "model": model_id,
+                                 "tensor_parallel_size": world_size}, "calibration")
         return box[0]
 
     cal.load_or_measure = load_or_measure
