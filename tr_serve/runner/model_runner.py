@@ -121,9 +121,16 @@ class ModelRunner:
     @torch.inference_mode()
     def verify(self, rows: torch.Tensor, tokens: torch.Tensor, depths: torch.Tensor, tree_mask: torch.Tensor) -> torch.Tensor:
         """Logits [b, q, V] of the root plus every tree node; the cache lengths stay unchanged until
-        :meth:`compact` keeps the accepted entries."""
+        :meth:`compact` keeps the accepted entries.
+
+        tokens [b, q]; depths [q] (one tree for every row) or [b, q] (a tree per row); tree_mask
+        [q, q] or [b, q, q], True where a node sees another (its ancestors and itself)."""
         safe = tokens.clamp(min=0)  # EMPTY nodes run as token 0; they can never be accepted
-        hidden = self.forward(rows, safe, depths[None], tree_mask[None])
+        if depths.dim() == 1:
+            depths = depths[None]
+        if tree_mask.dim() == 2:
+            tree_mask = tree_mask[None]
+        hidden = self.forward(rows, safe, depths, tree_mask)
         return self.logits(hidden)
 
     def compact(self, rows: torch.Tensor, keep: list[torch.Tensor]) -> None:

@@ -1,0 +1,9 @@
+"""Data files shipped inside the package (see README.md here for sources and licences)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+DATA_DIR = Path(__file__).resolve().parent
+SPEC_BENCH_DEV = DATA_DIR / "spec_bench_dev.jsonl"  # Spec-Bench (hemingkx/Spec-Bench), Apache-2.0
+PAPER_TREE_2_2_2 = DATA_DIR / "tr-paper-tree-2.2.2.json"  # Token Recycling paper's 80-node template
