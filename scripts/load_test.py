@@ -2,7 +2,7 @@
 
 Starts the real application (``configs/smollm2-cpu.yaml``'s args, the embedded model on CPU) on a
 local Ray instance in this process, drives ``--clients`` concurrent streaming chat clients for
-``--duration`` seconds over the first turns of ``../shared/data/spec_bench_dev.jsonl`` (cycled,
+``--duration`` seconds over the first turns of the packaged Spec-Bench dev questions (``tr_serve/data``) (cycled,
 greedy), once with Token Recycling on (``--tree``, ``--budget``) and once with it off (tree
 ``none``), restarting Serve in between. Prints a Markdown table and writes a JSON of every request.
 
@@ -41,8 +41,10 @@ os.environ.update(SERVE_ENV)  # before anything imports ray
 import httpx  # noqa: E402
 import yaml  # noqa: E402
 
+from tr_serve.data import SPEC_BENCH_DEV  # noqa: E402
+
 DEFAULT_CONFIG = ROOT / "configs" / "smollm2-cpu.yaml"
-DEFAULT_DATA = ROOT.parent / "shared" / "data" / "spec_bench_dev.jsonl"
+DEFAULT_DATA = SPEC_BENCH_DEV  # packaged Spec-Bench dev questions (tr_serve/data)
 APP_NAME = "tr_serve_load_test"
 
 

@@ -8,12 +8,14 @@ from pathlib import Path
 import pytest
 import torch
 
+from tr_serve.data import SPEC_BENCH_DEV
+
 # The test machine has few cores shared with other work; several torch threads spin-waiting for
 # each other under contention make CPU forwards many times slower than a single thread.
 torch.set_num_threads(1)
 
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
-SPEC_BENCH = PROJECT_ROOT.parent / "shared" / "data" / "spec_bench_dev.jsonl"
+SPEC_BENCH = SPEC_BENCH_DEV  # packaged with tr_serve (tr_serve/data)
 RAY_TEST_DIRS = tuple(str(Path(__file__).parent / d) for d in ("serve", "tp"))
 
 
@@ -40,7 +42,7 @@ def tokenizer(loaded):
 @pytest.fixture(scope="session")
 def spec_bench_rows() -> list[dict]:
     if not SPEC_BENCH.exists():
-        pytest.fail(f"missing shared data file {SPEC_BENCH}")
+        pytest.fail(f"missing packaged data file {SPEC_BENCH} (tr_serve/data; is the package installed whole?)")
     return [json.loads(line) for line in SPEC_BENCH.read_text().splitlines() if line.strip()]
 
 

@@ -5,15 +5,15 @@ adjacency matrix (fresh engine) and a hot one (one engine reused over every prom
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 import torch
 
 from tr_serve import LLM, SamplingParams
+from tr_serve.data import SPEC_BENCH_DEV
 from tr_serve.llm import encode_prompt
 
-SPEC_BENCH = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "spec_bench_dev.jsonl"
+SPEC_BENCH = SPEC_BENCH_DEV  # packaged with tr_serve (tr_serve/data)
 NEW_TOKENS = 64
 NUM_PROMPTS = 12  # hot-matrix runs
 NUM_COLD = 4  # cold-matrix prompts: the hot run's first prompt plus NUM_COLD - 1 fresh engines

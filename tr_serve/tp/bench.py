@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-DEV = Path(__file__).resolve().parents[2].parent / "shared" / "data" / "spec_bench_dev.jsonl"
+from tr_serve.data import SPEC_BENCH_DEV as DEV  # packaged Spec-Bench dev questions
 
 
 def dev_prompts(tokenizer, count: int, path: Path = DEV, max_prompt_tokens: int = 400) -> list[tuple[int, list[int]]]:
