@@ -63,10 +63,12 @@ def build_parser() -> OneLineErrorParser:
     spec_bench.add_arguments(b)
     b.add_argument("--concurrency", type=_levels, default=None, metavar="N[,N...]",
                    help="instead: N concurrent clients through the async engine per level, comparing plain "
-                        "continuous batching, tr:2.2.2 and tr:auto (cost-aware tree budget)")
+                        "continuous batching (baseline), same-runner pld and tr:<tree> for each --tree (default: "
+                        "tr:2.2.2 and tr:auto); every level and round serves --per-category questions per "
+                        "category of its own")
     b.add_argument("--rounds", type=_positive_int, default=1, metavar="R",
-                   help="with --concurrency: serve the questions R times per method, alternating the order of "
-                        "the methods each round (default: 1)")
+                   help="with --concurrency: R rounds per level, each on questions of its own, alternating the "
+                        "order of the methods each round (default: 1)")
     b.set_defaults(func=cmd_bench)
 
     from tr_serve.bench import fleet as bench_fleet
@@ -198,8 +200,14 @@ def cmd_bench_concurrency(args: argparse.Namespace) -> int:
     from tr_serve.model_loader import load_model
 
     try:
-        chosen, rest = spec_bench.select_questions(spec_bench.read_questions(args.questions), args.per_category)
-    except spec_bench.BenchError as e:
+        for spec in args.trees or ():
+            spec_bench.validate_tree(spec, args.k)
+        questions = spec_bench.read_questions(args.questions)
+        categories = list(dict.fromkeys(q.category for q in questions))
+        per_run = args.per_category * len(categories)
+        schedule = concurrency.plan_levels(concurrency.interleave_by_category(questions), args.concurrency,
+                                           args.rounds, per_run, args.warmup)
+    except (spec_bench.BenchError, ValueError) as e:
         raise UsageError(str(e)) from None
     check_model_arg(args.model)
     if args.threads:
@@ -208,19 +216,19 @@ def cmd_bench_concurrency(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     device = spec_bench.resolve_device(args.device)
     loaded = load_model(args.model, device=device, dtype=args.dtype)
-    encode = lambda q: encode_prompt(loaded.tokenizer, [{"role": "user", "content": q.text}])  # noqa: E731
-    prompts = [encode(q) for q in chosen]
-    warm = [encode(q) for q in spec_bench.warmup_questions(chosen, rest, args.warmup)]
-    methods = concurrency.DEFAULT_METHODS
-    bar = tqdm(total=len(prompts) * len(methods) * len(args.concurrency) * args.rounds, desc="bench", unit="req",
+    for plan in schedule.values():
+        for q in plan.warmup + [q for qs in plan.rounds for q in qs]:
+            q.prompt_ids = encode_prompt(loaded.tokenizer, [{"role": "user", "content": q.text}])
+    methods = concurrency.methods_for(args.trees, pld=args.pld)
+    bar = tqdm(total=per_run * len(methods) * len(args.concurrency) * args.rounds, desc="bench", unit="req",
                file=sys.stderr)
     try:
-        result = concurrency.run_concurrency(loaded, prompts, args.concurrency, args.max_new_tokens, methods,
-                                             warmup=warm, progress=lambda: bar.update(1),
-                                             cpu_kernels=args.cpu_kernels, rounds=args.rounds)
+        result = concurrency.run_concurrency(loaded, schedule, args.max_new_tokens, methods,
+                                             progress=lambda: bar.update(1), cpu_kernels=args.cpu_kernels, k=args.k)
     finally:
         bar.close()
-    result.update(model=args.model, device=device, questions=len(prompts), max_new_tokens=args.max_new_tokens)
+    result.update(model=args.model, device=device, questions_file=str(args.questions),
+                  questions_per_level_round=per_run, max_new_tokens=args.max_new_tokens)
     png = concurrency.save(result, Path(args.json_out))
     print(concurrency.markdown(result))
     print(f"\nwrote {args.json_out} and {png}")

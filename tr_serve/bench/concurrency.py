@@ -1,9 +1,16 @@
 """``tr-serve bench --concurrency N[,N...]``: N concurrent clients through the async engine.
 
 For each concurrency level, every method serves the same questions (greedy) with N clients that
-each take the next question when their last one is done: plain continuous batching
-(``baseline``), TR with the fixed 80-node tree (``tr:2.2.2``) and TR with the cost-aware budget
-(``tr:auto``). Each TR method keeps its matrix across levels, as a server would (hot start).
+each take the next question when their last one is done: plain continuous batching (``baseline``),
+prompt lookup through the same engine (``pld``), TR with the paper's 80-node tree (``tr:2.2.2``)
+and TR with the cost-aware budget (``tr:auto``). Each TR method keeps its matrix across levels and
+rounds, as a server would (hot start).
+
+Because a kept matrix has recycled every answer it produced, and greedy answers repeat exactly, a
+question is never served twice into it: every level and every round (and each level's warm-up)
+gets its own slice of the question pool (:func:`plan_levels`), and the JSON records the question
+ids of each. All methods serve the same slice at a given level and round, so their outputs can be
+compared token for token.
 """
 
 from __future__ import annotations
@@ -11,8 +18,10 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, Sequence
 
 from tr_serve.engine.async_engine import AsyncEngine
 from tr_serve.engine.config import EngineConfig
@@ -28,25 +37,93 @@ class ConcurrencyMethod:
     budget: str = "fixed"
 
 
-DEFAULT_METHODS = (ConcurrencyMethod("baseline", "none"), ConcurrencyMethod("tr:2.2.2", "2.2.2"),
-                   ConcurrencyMethod("tr:auto", "2.2.2", "auto"))
+DEFAULT_METHODS = (ConcurrencyMethod("baseline", "none"), ConcurrencyMethod("pld", "pld"),
+                   ConcurrencyMethod("tr:2.2.2", "2.2.2"), ConcurrencyMethod("tr:auto", "auto"))
+
+
+def methods_for(trees: Sequence[str] | None = None, pld: bool = True) -> tuple[ConcurrencyMethod, ...]:
+    """``baseline``, ``pld`` (unless ``pld`` is False) and ``tr:<spec>`` per tree setting (default:
+    ``2.2.2`` and ``auto``)."""
+    out = [ConcurrencyMethod("baseline", "none")]
+    if pld:
+        out.append(ConcurrencyMethod("pld", "pld"))
+    out += [ConcurrencyMethod(f"tr:{t.strip()}", t.strip()) for t in (trees or ("2.2.2", "auto"))]
+    return tuple(out)
+
+
+class TooFewQuestionsError(ValueError):
+    """The question pool cannot give every level, round and warm-up questions of its own."""
+
+
+@dataclass
+class LevelPlan:
+    """What one concurrency level serves: ``rounds[r]`` in round r, ``warmup`` untimed first. Items
+    have ``question_id`` and ``prompt_ids`` (``spec_bench.Question``)."""
+
+    rounds: list[list[Any]]
+    warmup: list[Any] = field(default_factory=list)
+
+
+def interleave_by_category(questions: Sequence[Any]) -> list[Any]:
+    """Round robin over the categories (in order of first appearance), questions in file order:
+    every stretch of the result mixes the categories."""
+    by_cat: "OrderedDict[str, list]" = OrderedDict()
+    for q in questions:
+        by_cat.setdefault(q.category, []).append(q)
+    out, depth = [], 0
+    while len(out) < len(questions):
+        out += [qs[depth] for qs in by_cat.values() if depth < len(qs)]
+        depth += 1
+    return out
+
+
+def plan_levels(pool: Sequence[Any], levels: Sequence[int], rounds: int, per_run: int,
+                warmup: int = 0) -> dict[int, LevelPlan]:
+    """Split ``pool`` so that each (level, round) serves ``per_run`` questions of its own and each
+    level warms up on ``warmup`` more; no question appears twice. The measured slices are striped
+    over the first ``len(levels) * rounds * per_run`` questions of the pool (slice s takes positions
+    s, s + S, s + 2S, ...), so an interleaved pool gives every slice the same mix of categories;
+    warm-ups come from the questions after them."""
+    if rounds < 1 or per_run < 1 or warmup < 0 or not levels:
+        raise ValueError(f"need levels, rounds >= 1, per_run >= 1, warmup >= 0 (got {list(levels)}, {rounds}, "
+                         f"{per_run}, {warmup})")
+    if len(set(levels)) != len(levels):
+        raise ValueError(f"concurrency levels repeat: {list(levels)}")
+    slices = len(levels) * rounds
+    measured = slices * per_run
+    needed = measured + len(levels) * warmup
+    if len(pool) < needed:
+        raise TooFewQuestionsError(
+            f"too few questions: {len(levels)} levels x {rounds} rounds x {per_run} questions, plus {warmup} "
+            f"warm-up per level, need {needed} distinct questions and the pool has {len(pool)} (a question served "
+            "twice would meet a matrix that recycled its own answer); lower --per-category, --rounds, --warmup "
+            "or the number of levels, or give a larger --questions file")
+    ids = [q.question_id for q in pool[:needed]]
+    if len(set(ids)) != len(ids):
+        raise ValueError("the question pool repeats a question id")
+    head = list(pool[:measured])
+    spare = list(pool[measured:needed])
+    out: dict[int, LevelPlan] = {}
+    for li, level in enumerate(levels):
+        runs = [head[s::slices] for s in range(li * rounds, (li + 1) * rounds)]
+        out[level] = LevelPlan(runs, spare[li * warmup:(li + 1) * warmup])
+    return out
 
 
 @dataclass
 class LevelResult:
-    outputs: dict[int, list[int]] = field(default_factory=dict)  # question index -> token ids
+    outputs: list[list[int]] = field(default_factory=list)  # per question of the slice, token ids
     accepted: int = 0
     steps: int = 0
     tokens: int = 0
     wall_s: float = 0.0
     per_request_tps: list[float] = field(default_factory=list)
     budgets: list[int] = field(default_factory=list)
-    round_outputs: list[dict[int, list[int]]] = field(default_factory=list)  # set by _merge
 
 
 def _merge(results: list[LevelResult]) -> LevelResult:
-    """One result over several rounds: sums, with the first round's outputs and every round's kept."""
-    merged = LevelResult(outputs=results[0].outputs, round_outputs=[r.outputs for r in results])
+    """One result over several rounds: sums (outputs stay per round in ``results``)."""
+    merged = LevelResult()
     for r in results:
         merged.accepted += r.accepted
         merged.steps += r.steps
@@ -59,7 +136,7 @@ def _merge(results: list[LevelResult]) -> LevelResult:
 
 async def _serve_all(engine: AsyncEngine, prompts: list[list[int]], concurrency: int, max_new_tokens: int,
                      tag: str, on_done=None) -> LevelResult:
-    result = LevelResult()
+    result = LevelResult(outputs=[[] for _ in prompts])
     next_index = iter(range(len(prompts)))
     params = SamplingParams(max_tokens=max_new_tokens)
 
@@ -70,7 +147,7 @@ async def _serve_all(engine: AsyncEngine, prompts: list[list[int]], concurrency:
             async for out in engine.generate(prompts[i], params, f"{tag}-{i}"):
                 final = out
             dt = time.perf_counter() - t0
-            result.outputs[i] = final.token_ids
+            result.outputs[i] = list(final.token_ids)
             result.accepted += sum(final.stats.accepted_per_step)
             result.steps += len(final.stats.accepted_per_step)
             result.tokens += len(final.token_ids)
@@ -85,53 +162,95 @@ async def _serve_all(engine: AsyncEngine, prompts: list[list[int]], concurrency:
     return result
 
 
-def run_concurrency(loaded, prompts: list[list[int]], levels: list[int], max_new_tokens: int,
-                    methods=DEFAULT_METHODS, warmup: list[list[int]] | None = None, progress=None,
-                    cpu_kernels: str = "auto", rounds: int = 1) -> dict:
-    """Returns ``{"concurrency": {"N": {"methods": {NAME: {...}}}}}``.
+def _check_distinct(schedule: dict[int, LevelPlan]) -> None:
+    seen: dict[Any, str] = {}
+    for level, plan in schedule.items():
+        named = [(f"level {level} warm-up", q) for q in plan.warmup]
+        named += [(f"level {level} round {r}", q) for r, qs in enumerate(plan.rounds) for q in qs]
+        for where, q in named:
+            if q.question_id in seen:
+                raise ValueError(f"question {q.question_id!r} is served in {seen[q.question_id]} and again in "
+                                 f"{where}: every level, round and warm-up needs questions of its own")
+            seen[q.question_id] = where
+    if len({len(p.rounds) for p in schedule.values()}) > 1:
+        raise ValueError("every level needs the same number of rounds")
 
-    With ``rounds`` > 1 every method serves all prompts once per round, the order of the methods
-    reversed every other round (A B C, C B A, ...), so slow drifts of the machine hit all methods
-    alike; throughput is total tokens over total wall time, and ``identical`` holds for every round.
-    Each method keeps its engine (matrix, acceptance and latency estimates) across rounds; a new
-    step thread per run lets the previous one's OpenMP workers go (see engine/openmp.py).
+
+def run_concurrency(loaded, schedule: dict[int, LevelPlan], max_new_tokens: int,
+                    methods: Sequence[ConcurrencyMethod] = DEFAULT_METHODS, progress=None,
+                    cpu_kernels: str = "auto", k: int = 8) -> dict:
+    """Serve ``schedule`` (level -> :class:`LevelPlan`, see :func:`plan_levels`) with every method;
+    returns ``{"concurrency": {"N": {"methods": {NAME: {...}}, "question_ids": [[...] per round],
+    "warmup_question_ids": [...]}}, "rounds": R, ...provenance}``.
+
+    With several rounds every method serves round r's questions in round r, the order of the
+    methods reversed every other round (A B C, C B A, ...), so slow drifts of the machine hit all
+    methods alike; throughput is total tokens over total wall time, and ``identical`` compares each
+    method with the baseline on the same questions in every round. Each method keeps its matrix
+    across levels and rounds, and its engine (acceptance and latency estimates) across the rounds
+    of a level; a new step thread per run lets the previous one's OpenMP workers go (see
+    engine/openmp.py).
     """
-    if rounds < 1:
-        raise ValueError(f"rounds must be >= 1, got {rounds}")
+    from tr_serve.bench.provenance import environment, template_record
+
+    _check_distinct(schedule)
+    if not methods or methods[0].tree != "none":
+        raise ValueError("the first method must be the plain-decoding baseline (tree 'none')")
+    rounds = len(next(iter(schedule.values())).rounds)
     vocab = loaded.model.config.vocab_size
-    matrices = {m.name: AdjacencyMatrix(vocab, 8) for m in methods}
+    matrices = {m.name: AdjacencyMatrix(vocab, k) for m in methods}
     out: dict = {"concurrency": {}, "rounds": rounds}
-    for n in levels:
+    kernel_plan = None
+    for n, plan in schedule.items():
         cores = {}
         for m in methods:
-            cfg = EngineConfig(model=loaded.model_id, tree=m.tree, budget=m.budget, max_num_seqs=n,
+            cfg = EngineConfig(model=loaded.model_id, tree=m.tree, budget=m.budget, k=k, max_num_seqs=n,
                                max_model_len=4096, cpu_kernels=cpu_kernels)
             cores[m.name] = Engine(loaded, cfg, matrix=matrices[m.name])
+        kernel_plan = cores[methods[0].name].runner.kernel_plan
         runs: dict[str, list[LevelResult]] = {m.name: [] for m in methods}
-        for r in range(rounds):
+        for r, questions in enumerate(plan.rounds):
+            prompts = [list(q.prompt_ids) for q in questions]
             order = list(methods) if r % 2 == 0 else list(reversed(methods))
             for m in order:
                 engine = AsyncEngine(cores[m.name])
                 try:
-                    if warmup and r == 0:
-                        asyncio.run(_serve_all(engine, warmup, n, max_new_tokens, f"warm-{m.name}-{n}"))
+                    if plan.warmup and r == 0:
+                        asyncio.run(_serve_all(engine, [list(q.prompt_ids) for q in plan.warmup], n,
+                                               max_new_tokens, f"warm-{m.name}-{n}"))
                     runs[m.name].append(asyncio.run(_serve_all(engine, prompts, n, max_new_tokens,
                                                                f"{m.name}-{n}-r{r}", progress)))
                 finally:
                     engine.shutdown()
-        level = {name: _merge(results) for name, results in runs.items()}
-        base = level[methods[0].name]
+        base_runs = runs[methods[0].name]
+        base = _merge(base_runs)
         table = {}
-        for name, r in level.items():
-            table[name] = {
+        for m in methods:
+            r = _merge(runs[m.name])
+            mismatched = [(ri, plan.rounds[ri][i].question_id) for ri, res in enumerate(runs[m.name])
+                          for i, ids in enumerate(res.outputs) if ids != base_runs[ri].outputs[i]]
+            table[m.name] = {
+                "tree": m.tree,
+                "budget": m.budget,
                 "throughput_tokens_per_s": r.tokens / r.wall_s,
                 "tokens_per_s": sum(r.per_request_tps) / len(r.per_request_tps),
-                "mat": r.accepted / max(1, r.steps),
-                "identical": all(out_r[i] == base.outputs[i] for out_r in r.round_outputs for i in base.outputs),
+                "mat": r.accepted / r.steps if r.steps else None,
+                "identical": not mismatched,
                 "throughput_vs_baseline": (r.tokens / r.wall_s) / (base.tokens / base.wall_s),
                 "mean_tree_nodes": sum(r.budgets) / max(1, len(r.budgets)),
+                "new_tokens": r.tokens,
+                "verification_steps": r.steps,
+                "accepted": r.accepted,
             }
-        out["concurrency"][str(n)] = {"methods": table}
+            if mismatched:
+                table[m.name]["mismatched_questions"] = [{"round": ri, "question_id": q} for ri, q in mismatched]
+        out["concurrency"][str(n)] = {
+            "methods": table,
+            "question_ids": [[q.question_id for q in qs] for qs in plan.rounds],
+            "warmup_question_ids": [q.question_id for q in plan.warmup],
+        }
+    out.update(environment(kernel_plan, cpu_kernels))
+    out["templates"] = {m.name: template_record(m.tree, k, m.budget) for m in methods}
     return out
 
 
@@ -140,8 +259,9 @@ def markdown(result: dict) -> str:
             "| ---: | --- | ---: | ---: | ---: | ---: | ---: | :---: |"]
     for n, level in result["concurrency"].items():
         for name, m in level["methods"].items():
+            mat = "n/a" if m["mat"] is None else f"{m['mat']:.2f}"
             rows.append(f"| {n} | {name} | {m['throughput_tokens_per_s']:.2f} | {m['throughput_vs_baseline']:.2f}x | "
-                        f"{m['tokens_per_s']:.2f} | {m['mat']:.2f} | {m['mean_tree_nodes']:.1f} | "
+                        f"{m['tokens_per_s']:.2f} | {mat} | {m['mean_tree_nodes']:.1f} | "
                         f"{'yes' if m['identical'] else 'NO'} |")
     return "\n".join(rows)
 
@@ -160,7 +280,7 @@ def write_chart(result: dict, path: Path) -> None:
         xs = [i + j * width for i in range(len(levels))]
         axes[0].bar(xs, [result["concurrency"][n]["methods"][name]["throughput_tokens_per_s"] for n in levels],
                     width, label=name)
-        axes[1].bar(xs, [result["concurrency"][n]["methods"][name]["mat"] for n in levels], width, label=name)
+        axes[1].bar(xs, [result["concurrency"][n]["methods"][name]["mat"] or 0.0 for n in levels], width, label=name)
     for ax, title in zip(axes, ("throughput (tokens/s)", "MAT")):
         ax.set_xticks([i + 0.4 - width / 2 for i in range(len(levels))], [f"N={n}" for n in levels])
         ax.set_title(title)

@@ -1,19 +1,30 @@
 """Spec-Bench style benchmark: plain greedy decoding vs Token Recycling trees vs prompt lookup decoding.
 
-The model is loaded once. Every method gets its own engine (so each Token Recycling method keeps
-its own adjacency matrix for the whole run: hot start), and the questions are interleaved: for each
-question every method runs in turn, so machine noise hits all methods alike.
+The model is loaded once. Methods (names as in the JSON):
+
+* ``baseline``: plain greedy decoding through the engine (tree ``none``).
+* ``tr:<tree>``: the engine with that tree setting (``2.2.2``, ``top8+ctx``, ``auto``, a .json...).
+* ``pld``: prompt lookup through the same engine, runner, kernels and verifier (tree ``pld``): the
+  only difference from ``tr:*`` is the draft.
+* ``hf-greedy`` and ``hf-pld``: transformers' ``generate`` (torch's own kernels), plain greedy and
+  prompt lookup decoding, a reference pair outside the engine.
+
+Every engine method has its own engine (so each Token Recycling method keeps its own adjacency
+matrix for the whole run: hot start), and the questions are interleaved: for each question every
+method runs in turn, so machine noise hits all methods alike.
 
 Definitions (written into the JSON under ``definitions``):
 
-* ``mat``: mean accepted tokens per verification forward, prefill excluded. For the engine it is
-  (new tokens - 1) / verification steps (the first token comes from the prefill forward); for PLD
-  it is (new tokens - 1) / (forward passes - 1). Plain decoding is 1.0.
+* ``mat``: tokens per verification forward, the prefill forward and its first token excluded. Engine
+  methods: sum / count of ``RequestOutput.stats.accepted_per_step``; hf-*: (new tokens - 1) /
+  (forward passes - 1).
 * ``tokens_per_s``: total new tokens / total wall time of that method (``time.perf_counter``).
-* ``speedup``: ``tokens_per_s`` / baseline ``tokens_per_s`` of the same run (per category: the
-  ratio of per-category tokens/s).
+* ``speedup``: ``tokens_per_s`` / ``tokens_per_s`` of the method's own framework's plain greedy
+  decoding in the same run (``reference``): ``baseline`` for engine methods, ``hf-greedy`` for
+  hf-*. Per category: the ratio of per-category tokens/s.
 * ``identical``: every output token list equals the baseline's for the same question (EOS
-  included when generation stopped at EOS).
+  included when generation stopped at EOS); the baseline's own is checked against ``hf-greedy``
+  (null when the hf rows are skipped).
 """
 
 from __future__ import annotations
@@ -35,7 +46,7 @@ from tr_serve.engine.config import CPU_KERNEL_MODES
 DEFAULT_QUESTIONS = str(SPEC_BENCH_DEV)  # the packaged Spec-Bench dev questions (tr_serve/data)
 DEFAULT_MODEL = "smollm2-135m-instruct"
 DEFAULT_JSON = os.path.join("bench_out", "bench.json")
-PLD_NUM_TOKENS = 10
+HF_PLD_NUM_TOKENS = 10  # transformers' prompt_lookup_num_tokens for hf-pld
 SEEDING_MODES = ("off", "on", "both")
 
 
@@ -52,14 +63,15 @@ class BenchConfig:
     model: str = DEFAULT_MODEL
     json_out: str = DEFAULT_JSON
     prompt_seeding: str = "on"
-    pld: bool = True
+    pld: bool = True  # same-runner prompt lookup (engine tree "pld")
+    hf: bool = True  # transformers' generate: hf-greedy and hf-pld
     warmup: int = 1
     device: str = "auto"
     dtype: str = "auto"
     k: int = 8
     time_split: bool = True
     threads: int | None = None  # torch CPU threads; None keeps torch's default
-    cpu_kernels: str = "auto"  # EngineConfig.cpu_kernels for the baseline and every TR method
+    cpu_kernels: str = "auto"  # EngineConfig.cpu_kernels of every engine method (baseline, tr:*, pld)
 
     def validate(self) -> None:
         if not isinstance(self.per_category, int) or self.per_category < 1:
@@ -78,19 +90,12 @@ class BenchConfig:
             raise BenchError(f"--prompt-seeding must be one of {', '.join(SEEDING_MODES)}, got {self.prompt_seeding!r}")
         if not self.trees:
             raise BenchError("give at least one --tree")
-        from tr_serve.tr.tree import TreeTemplateError, load_template
-
         seen = set()
         for spec in self.trees:
-            if spec.strip().lower() in ("none", "off", ""):
-                raise BenchError(f"--tree {spec!r} is plain decoding, which the baseline method already measures")
-            if spec in seen:
+            validate_tree(spec, self.k)
+            if spec.strip() in seen:
                 raise BenchError(f"--tree {spec!r} is given twice")
-            seen.add(spec)
-            try:
-                load_template(spec, self.k)
-            except TreeTemplateError as e:
-                raise BenchError(str(e)) from None
+            seen.add(spec.strip())
         from tr_serve.model_loader import parse_dtype
 
         try:
@@ -102,6 +107,27 @@ class BenchConfig:
             raise BenchError(f"model path {m} does not exist")
         if not str(self.json_out).endswith(".json"):
             raise BenchError(f"--json must name a .json file, got {self.json_out!r}")
+
+
+def validate_tree(spec: str, k: int) -> None:
+    """A ``--tree`` the engine accepts (:func:`tr_serve.tr.tree_spec.parse_tree_spec`, then the
+    template part loaded), other than plain decoding and same-runner ``pld`` (methods of their own)."""
+    from tr_serve.tr.tree import TreeTemplateError, load_template
+    from tr_serve.tr.tree_spec import parse_tree_spec
+
+    try:
+        parsed = parse_tree_spec(spec)
+    except ValueError as e:
+        raise BenchError(str(e)) from None
+    if parsed.plain:
+        raise BenchError(f"--tree {spec!r} is plain decoding, which the baseline method already measures")
+    if parsed.template is None:
+        raise BenchError(f"--tree {spec!r} is same-runner prompt lookup, measured as the method 'pld' "
+                         "(on unless --no-pld)")
+    try:
+        load_template(parsed.template, k)
+    except TreeTemplateError as e:
+        raise BenchError(str(e)) from None
 
 
 # ---- questions ---------------------------------------------------------------------------------
@@ -177,34 +203,37 @@ def warmup_questions(chosen: Sequence[Question], rest: Sequence[Question], n: in
 
 @dataclass
 class Run:
-    """One method on one question."""
+    """One method on one question. ``accepted`` / ``forwards`` is the MAT: engine methods count the
+    engine's own ``stats.accepted_per_step`` (sum / steps); hf-* count new tokens and forward passes
+    (both less the prefill's)."""
 
     question_id: Any
     category: str
     token_ids: list[int]
     seconds: float
     forwards: int  # verification forwards, prefill excluded
+    accepted: int  # tokens those forwards emitted (the prefill's first token excluded)
     finish: str = ""
-    engine_accepted: int | None = None  # sum(stats.accepted_per_step), engine methods only
 
     @property
     def new_tokens(self) -> int:
         return len(self.token_ids)
 
-    @property
-    def accepted(self) -> int:
-        """Tokens emitted by verification forwards (the prefill forward's first token excluded)."""
-        return max(0, self.new_tokens - 1)
-
 
 @dataclass
 class Method:
     name: str
-    kind: str  # "baseline", "tr" or "pld"
-    tree: str | None = None
+    kind: str  # "baseline", "tr", "pld" (engine methods) or "hf" (transformers' generate)
+    tree: str | None = None  # engine tree setting
     prompt_seeding: bool = False
+    reference: str = "baseline"  # the method whose tokens/s is the denominator of this one's speedup
+    lookup: int = 0  # hf: prompt_lookup_num_tokens, 0 for plain greedy
     llm: Any = None
     runs: list[Run] = field(default_factory=list)
+
+    @property
+    def engine(self) -> bool:
+        return self.kind != "hf"
 
 
 def _sync(device: str) -> None:
@@ -214,9 +243,9 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def run_engine(llm, prompt_ids: list[int], max_new_tokens: int, device: str) -> tuple[list[int], float, int, str, int]:
-    """Greedy generation through the engine; returns (token ids, seconds, verification steps, finish,
-    sum of ``stats.accepted_per_step``)."""
+def run_engine(llm, prompt_ids: list[int], max_new_tokens: int, device: str) -> tuple[list[int], float, list[int], str]:
+    """Greedy generation through the engine; returns (token ids, seconds, ``stats.accepted_per_step``,
+    finish reason)."""
     from tr_serve.sampling_params import SamplingParams
 
     params = SamplingParams(max_tokens=max_new_tokens)
@@ -226,8 +255,7 @@ def run_engine(llm, prompt_ids: list[int], max_new_tokens: int, device: str) -> 
     _sync(device)
     seconds = time.perf_counter() - t0
     reason = getattr(out.finish_reason, "value", out.finish_reason)
-    steps = list(out.stats.accepted_per_step)
-    return list(out.token_ids), seconds, len(steps), str(reason), sum(steps)
+    return list(out.token_ids), seconds, list(out.stats.accepted_per_step), str(reason)
 
 
 class ForwardCounter:
@@ -251,8 +279,10 @@ class ForwardCounter:
         self._handle = None
 
 
-def run_pld(loaded, prompt_ids: list[int], max_new_tokens: int, device: str) -> tuple[list[int], float, int, str]:
-    """Hugging Face prompt lookup decoding; returns (new token ids, seconds, forwards, finish).
+def run_hf(loaded, prompt_ids: list[int], max_new_tokens: int, device: str,
+           lookup: int = 0) -> tuple[list[int], float, int, str]:
+    """transformers' greedy ``generate`` (torch's own kernels), with prompt lookup decoding of
+    ``lookup`` tokens when > 0; returns (new token ids, seconds, forwards, finish).
 
     ``forwards`` counts every forward pass of the model, the prefill included."""
     import torch
@@ -260,6 +290,7 @@ def run_pld(loaded, prompt_ids: list[int], max_new_tokens: int, device: str) -> 
     model = loaded.model
     input_ids = torch.tensor([list(prompt_ids)], dtype=torch.long, device=model.device)
     eos = list(loaded.eos_token_ids)
+    extra = {"prompt_lookup_num_tokens": lookup} if lookup > 0 else {}
     with ForwardCounter(model) as counter, torch.inference_mode():
         _sync(device)
         t0 = time.perf_counter()
@@ -268,9 +299,9 @@ def run_pld(loaded, prompt_ids: list[int], max_new_tokens: int, device: str) -> 
             attention_mask=torch.ones_like(input_ids),
             do_sample=False,
             max_new_tokens=max_new_tokens,
-            prompt_lookup_num_tokens=PLD_NUM_TOKENS,
             eos_token_id=eos,
             pad_token_id=eos[0] if eos else None,
+            **extra,
         )
         new = out[0, len(prompt_ids):].tolist()
         _sync(device)
@@ -303,7 +334,7 @@ def _device_name(device: str) -> str:
 
 def build_methods(cfg: BenchConfig) -> list[Method]:
     methods = [Method("baseline", "baseline", tree="none")]
-    for spec in cfg.trees:
+    for spec in (t.strip() for t in cfg.trees):
         # tr:<tree> runs as the engine does by default (prompt seeding on)
         if cfg.prompt_seeding in ("on", "both"):
             methods.append(Method(f"tr:{spec}", "tr", tree=spec, prompt_seeding=True))
@@ -312,11 +343,14 @@ def build_methods(cfg: BenchConfig) -> list[Method]:
         if cfg.prompt_seeding == "both":
             methods.append(Method(f"tr:{spec}-noseed", "tr", tree=spec, prompt_seeding=False))
     if cfg.pld:
-        methods.append(Method("pld", "pld"))
+        methods.append(Method("pld", "pld", tree="pld"))
+    if cfg.hf:
+        methods.append(Method("hf-greedy", "hf", reference="hf-greedy"))
+        methods.append(Method("hf-pld", "hf", reference="hf-greedy", lookup=HF_PLD_NUM_TOKENS))
     return methods
 
 
-def _ratio(num: float, den: float, empty: float) -> float:
+def _ratio(num: float, den: float, empty: float | None) -> float | None:
     return num / den if den else empty
 
 
@@ -327,82 +361,101 @@ def _first_difference(a: Sequence[int], b: Sequence[int]) -> int | None:
     return None if len(a) == len(b) else min(len(a), len(b))
 
 
-def mismatch_info(loaded, prompt_ids: list[int], base: list[int], other: list[int]) -> dict:
-    """Where ``other`` leaves the baseline, and how close the model's top-2 logits are there
-    (a plain Hugging Face forward over prompt + common prefix)."""
+def first_mismatch(reference: Sequence[int], other: Sequence[int]) -> dict | None:
+    """Where ``other`` first leaves ``reference`` (None when they are equal)."""
+    pos = _first_difference(reference, other)
+    if pos is None:
+        return None
+    return {"position": pos, "reference_len": len(reference), "method_len": len(other),
+            "reference_token": reference[pos] if pos < len(reference) else None,
+            "method_token": other[pos] if pos < len(other) else None}
+
+
+def logit_gap_at(loaded, prompt_ids: list[int], reference: list[int], mismatch: dict) -> dict:
+    """The model's top-2 logits where a method left the reference (a plain Hugging Face forward over
+    prompt + common prefix): a near tie says rounding, a wide gap says a real error."""
     import torch
 
-    pos = _first_difference(base, other)
-    info: dict[str, Any] = {"position": pos, "baseline_len": len(base), "method_len": len(other)}
-    if pos is None:
-        return info
-    info["baseline_token"] = base[pos] if pos < len(base) else None
-    info["method_token"] = other[pos] if pos < len(other) else None
+    pos = mismatch["position"]
     model = loaded.model
     with torch.inference_mode():
-        ids = torch.tensor([list(prompt_ids) + list(base[:pos])], device=model.device)
+        ids = torch.tensor([list(prompt_ids) + list(reference[:pos])], device=model.device)
         logits = model(ids).logits[0, -1].float()
     top = torch.topk(logits, 2)
-    info["top2_tokens"] = top.indices.tolist()
-    info["top2_logit_gap"] = float(top.values[0] - top.values[1])
-    for key in ("baseline_token", "method_token"):
-        if info[key] is not None:
-            info[key.replace("token", "logit")] = float(logits[info[key]])
+    info = {"top2_tokens": top.indices.tolist(), "top2_logit_gap": float(top.values[0] - top.values[1])}
+    for key in ("reference_token", "method_token"):
+        if mismatch.get(key) is not None:
+            info[key.replace("token", "logit")] = float(logits[mismatch[key]])
     return info
 
 
 def summarize(methods: list[Method], categories: list[str]) -> dict:
-    base = methods[0]
-    assert base.kind == "baseline"
+    """Per method: MAT, tokens/s, speedup over its reference, ``identical`` (with a ``mismatches``
+    entry per differing question: where it first differs), per category and per question."""
+    by_name = {m.name: m for m in methods}
+    base = by_name["baseline"]
+    for m in methods:
+        if [r.question_id for r in m.runs] != [r.question_id for r in base.runs]:
+            raise ValueError(f"method {m.name} ran other questions than the baseline")
 
     def totals(runs: list[Run]) -> tuple[int, float, int, int]:
         return (sum(r.new_tokens for r in runs), sum(r.seconds for r in runs),
                 sum(r.accepted for r in runs), sum(r.forwards for r in runs))
 
-    base_tok, base_sec, _, _ = totals(base.runs)
-    base_tps = _ratio(base_tok, base_sec, 0.0)
-    base_cat = {}
-    for cat in categories:
-        t, s, _, _ = totals([r for r in base.runs if r.category == cat])
-        base_cat[cat] = _ratio(t, s, 0.0)
+    def tps(m: Method, cat: str | None = None) -> float:
+        t, s, _, _ = totals([r for r in m.runs if cat is None or r.category == cat])
+        return _ratio(t, s, 0.0)
+
     out: dict[str, dict] = {}
     for m in methods:
         tok, sec, acc, fwd = totals(m.runs)
-        tps = _ratio(tok, sec, 0.0)
+        ref = by_name[m.reference]
+        # the baseline is the reference of every other method's tokens; its own are checked against
+        # transformers' greedy decoding when that ran
+        check_against = by_name.get("hf-greedy") if m is base else base
         entry: dict[str, Any] = {
-            "mat": 1.0 if m.kind == "baseline" else _ratio(acc, fwd, 1.0),
-            "tokens_per_s": tps,
-            "speedup": 1.0 if m.kind == "baseline" else _ratio(tps, base_tps, 0.0),
-            "identical": True,
-            "per_category": {},
             "kind": m.kind,
+            "mat": _ratio(acc, fwd, None),
+            "tokens_per_s": tps(m),
+            "speedup": 1.0 if ref is m else _ratio(tps(m), tps(ref), 0.0),
+            "reference": ref.name,
+            "identical": None,
+            "identical_to": check_against.name if check_against else None,
+            "per_category": {},
             "new_tokens": tok,
             "seconds": sec,
             "verification_forwards": fwd,
+            "accepted": acc,
         }
-        if m.kind == "tr":
-            # the engine's own count: tokens emitted per step, including any a stop point cut off
-            entry["mat_accepted_per_step"] = _ratio(sum(r.engine_accepted or 0 for r in m.runs), fwd, 1.0)
-        if m.tree and m.kind != "baseline":
+        if m.kind in ("tr", "pld"):
             entry["tree"] = m.tree
+        if m.kind == "tr":
             entry["prompt_seeding"] = m.prompt_seeding
+        if m.kind == "hf":
+            entry["prompt_lookup_num_tokens"] = m.lookup or None
         for cat in categories:
-            runs = [r for r in m.runs if r.category == cat]
-            t, s, a, f = totals(runs)
-            cat_tps = _ratio(t, s, 0.0)
+            t, s, a, f = totals([r for r in m.runs if r.category == cat])
             entry["per_category"][cat] = {
-                "mat": 1.0 if m.kind == "baseline" else _ratio(a, f, 1.0),
-                "speedup": 1.0 if m.kind == "baseline" else _ratio(cat_tps, base_cat[cat], 0.0),
-                "tokens_per_s": cat_tps,
+                "mat": _ratio(a, f, None),
+                "speedup": 1.0 if ref is m else _ratio(tps(m, cat), tps(ref, cat), 0.0),
+                "tokens_per_s": tps(m, cat),
                 "new_tokens": t,
             }
-        per_q = []
-        for r, b in zip(m.runs, base.runs):
-            same = r.token_ids == b.token_ids
-            entry["identical"] &= same
-            per_q.append({"question_id": r.question_id, "category": r.category, "new_tokens": r.new_tokens,
-                          "verification_forwards": r.forwards, "seconds": round(r.seconds, 6),
-                          "finish": r.finish, "identical": same})
+        per_q, mismatches = [], []
+        for i, r in enumerate(m.runs):
+            q = {"question_id": r.question_id, "category": r.category, "new_tokens": r.new_tokens,
+                 "verification_forwards": r.forwards, "accepted": r.accepted, "seconds": round(r.seconds, 6),
+                 "finish": r.finish}
+            if check_against is not None:
+                mm = first_mismatch(check_against.runs[i].token_ids, r.token_ids)
+                q["identical"] = mm is None
+                if mm is not None:
+                    mismatches.append({"question_id": r.question_id, "category": r.category, **mm})
+            per_q.append(q)
+        if check_against is not None:
+            entry["identical"] = not mismatches
+            if mismatches:
+                entry["mismatches"] = mismatches
         entry["per_question"] = per_q
         out[m.name] = entry
     return out
@@ -418,6 +471,20 @@ def _round(obj, digits: int = 6):
     return obj
 
 
+DEFINITIONS = {
+    "mat": "tokens per verification forward, the prefill forward and its first token excluded: engine methods "
+           "sum(stats.accepted_per_step) / verification steps; hf-* (new_tokens-1)/(forwards-1)",
+    "tokens_per_s": "total new tokens / total perf_counter seconds of the method",
+    "speedup": "tokens_per_s / tokens_per_s of 'reference' in the same run: baseline for engine methods, "
+               "hf-greedy for hf-*",
+    "identical": "every output token id list equals that of 'identical_to' for the same question: the baseline "
+                 "for every method, hf-greedy for the baseline itself (null without the hf rows)",
+    "template_sha256": "sha256 of json.dumps(list of paths) of the method's matrix template, in template order",
+    "kernel_plan": "the engine methods' linear kernel per token count (the runner's KernelPlan; counts between two "
+                   "points take the next point's kernel), or 'torch' for torch's own F.linear",
+}
+
+
 def run_bench(cfg: BenchConfig, loaded=None, progress: bool = True) -> dict:
     """Run the benchmark, write the JSON (and the PNG chart beside it) and return the result."""
     cfg.validate()
@@ -428,6 +495,7 @@ def run_bench(cfg: BenchConfig, loaded=None, progress: bool = True) -> dict:
     import torch
     from tqdm import tqdm
 
+    from tr_serve.bench.provenance import environment, template_record
     from tr_serve.engine.timing import PhaseTimer
     from tr_serve.llm import LLM, encode_prompt
     from tr_serve.model_loader import load_model
@@ -453,20 +521,24 @@ def run_bench(cfg: BenchConfig, loaded=None, progress: bool = True) -> dict:
 
     methods = build_methods(cfg)
     for m in methods:
-        if m.kind == "pld":
+        if not m.engine:
             continue
-        m.llm = LLM(model=cfg.model, tree=m.tree, k=cfg.k, loaded=loaded, max_num_seqs=1,
-                    max_model_len=max_model_len, prompt_seeding=m.prompt_seeding, device=device,
-                    cpu_kernels=cfg.cpu_kernels)
+        try:
+            m.llm = LLM(model=cfg.model, tree=m.tree, k=cfg.k, loaded=loaded, max_num_seqs=1,
+                        max_model_len=max_model_len, prompt_seeding=m.prompt_seeding, device=device,
+                        cpu_kernels=cfg.cpu_kernels)
+        except ValueError as e:  # a tree setting the engine refuses
+            raise BenchError(f"method {m.name}: {e}") from None
         if cfg.time_split:
             m.llm.engine.timer = PhaseTimer(device, enabled=True)
 
     def run_one(m: Method, q: Question) -> Run:
-        if m.kind == "pld":
-            ids, sec, forwards, finish = run_pld(loaded, q.prompt_ids, cfg.max_new_tokens, device)
-            return Run(q.question_id, q.category, ids, sec, max(0, forwards - 1), finish)  # minus the prefill
-        ids, sec, steps, finish, accepted = run_engine(m.llm, q.prompt_ids, cfg.max_new_tokens, device)
-        return Run(q.question_id, q.category, ids, sec, steps, finish, accepted)
+        if not m.engine:
+            ids, sec, forwards, finish = run_hf(loaded, q.prompt_ids, cfg.max_new_tokens, device, m.lookup)
+            # minus the prefill forward and the token it gave
+            return Run(q.question_id, q.category, ids, sec, max(0, forwards - 1), max(0, len(ids) - 1), finish)
+        ids, sec, steps, finish = run_engine(m.llm, q.prompt_ids, cfg.max_new_tokens, device)
+        return Run(q.question_id, q.category, ids, sec, len(steps), sum(steps), finish)
 
     total = (len(warm) + len(chosen)) * len(methods)
     bar = tqdm(total=total, desc="bench", unit="run", file=sys.stderr, disable=not progress, dynamic_ncols=True)
@@ -489,22 +561,25 @@ def run_bench(cfg: BenchConfig, loaded=None, progress: bool = True) -> dict:
 
     categories = list(OrderedDict.fromkeys(q.category for q in chosen))
     summary = summarize(methods, categories)
+    by_name = {m.name: m for m in methods}
+    position = {q.question_id: i for i, q in enumerate(chosen)}
     for m in methods:
         entry = summary[m.name]
         if m.llm is not None and cfg.time_split:
             entry["time_split"] = m.llm.engine.timer.split()
-        if not entry["identical"]:
-            entry["mismatches"] = [
-                {"question_id": q.question_id, "category": q.category,
-                 **mismatch_info(loaded, q.prompt_ids, b.token_ids, r.token_ids)}
-                for q, r, b in zip(chosen, m.runs, methods[0].runs) if r.token_ids != b.token_ids
-            ]
+        if m.kind == "tr":
+            entry["template"] = template_record(m.tree, cfg.k)
+        for mm in entry.get("mismatches", []):
+            i = position[mm["question_id"]]
+            mm.update(logit_gap_at(loaded, chosen[i].prompt_ids, by_name[entry["identical_to"]].runs[i].token_ids, mm))
 
+    base_llm = by_name["baseline"].llm
     result = {
         "model": cfg.model,
         "device": device,
         "device_name": _device_name(device),
         "dtype": str(next(loaded.model.parameters()).dtype).replace("torch.", ""),
+        "questions_file": str(cfg.questions),
         "questions": len(chosen),
         "question_ids": [q.question_id for q in chosen],
         "categories": categories,
@@ -513,16 +588,9 @@ def run_bench(cfg: BenchConfig, loaded=None, progress: bool = True) -> dict:
         "per_category": cfg.per_category,
         "prompt_seeding": cfg.prompt_seeding,
         "k": cfg.k,
-        "pld_num_tokens": PLD_NUM_TOKENS if cfg.pld else None,
-        "torch": torch.__version__,
-        "torch_threads": torch.get_num_threads(),
-        "definitions": {
-            "mat": "accepted tokens per verification forward, prefill forward and its first token excluded: "
-                   "engine (new_tokens-1)/verification_steps; pld (new_tokens-1)/(forwards-1); baseline 1.0",
-            "tokens_per_s": "total new tokens / total perf_counter seconds of the method",
-            "speedup": "tokens_per_s / baseline tokens_per_s in the same run",
-            "identical": "every output token id list equals the baseline's for the same question",
-        },
+        "hf_pld_num_tokens": HF_PLD_NUM_TOKENS if cfg.hf else None,
+        **environment(base_llm.engine.runner.kernel_plan, cfg.cpu_kernels),
+        "definitions": DEFINITIONS,
         "methods": summary,
     }
     result = _round(result)
@@ -565,8 +633,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--per-category", type=_positive_int, default=2, metavar="N",
                    help="first N questions of each category (default: 2)")
     p.add_argument("--max-new-tokens", type=_positive_int, default=128, metavar="N", help="default: 128")
-    p.add_argument("--tree", action="append", dest="trees", metavar="NAME|PATH",
-                   help="Token Recycling tree template, repeatable (default: 2.2.2)")
+    p.add_argument("--tree", action="append", dest="trees", metavar="SPEC",
+                   help="Token Recycling tree setting, repeatable: a template (2.2.2, top8, a .json file of paths), "
+                        "<template>+ctx (the hybrid with a context branch) or auto (cost-aware budget); "
+                        "method tr:<SPEC> (default: 2.2.2)")
     p.add_argument("--model", default=DEFAULT_MODEL, help=f"default: {DEFAULT_MODEL}")
     p.add_argument("--json", dest="json_out", default=DEFAULT_JSON, metavar="OUT",
                    help=f"result JSON; the chart is written beside it as .png (default: {DEFAULT_JSON})")
@@ -574,9 +644,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="seed the TR matrix from the prompt, as the engine does by default; 'both' adds a "
                         "method tr:<tree>-noseed per tree (default: on)")
     p.add_argument("--cpu-kernels", choices=CPU_KERNEL_MODES, default="auto",
-                   help="linear kernels of the baseline and TR methods on CPU: the fastest measured per token "
-                        "count, or torch's own (default: auto)")
-    p.add_argument("--no-pld", dest="pld", action="store_false", help="skip the prompt lookup decoding peer")
+                   help="linear kernels of the engine methods (baseline, tr:*, pld) on CPU: the fastest measured "
+                        "per token count, or torch's own (default: auto; hf-* always run torch's own)")
+    p.add_argument("--no-pld", dest="pld", action="store_false",
+                   help="skip 'pld', prompt lookup through the same engine, runner and kernels")
+    p.add_argument("--no-hf", dest="hf", action="store_false",
+                   help="skip the transformers reference rows 'hf-greedy' and 'hf-pld' (generate, torch kernels)")
     p.add_argument("--warmup", type=_non_negative_int, default=1, metavar="N",
                    help="questions decoded untimed by every method first (they warm the TR matrices too; default: 1)")
     p.add_argument("--k", type=_positive_int, default=8, help="candidates per matrix row (default: 8)")
@@ -592,7 +665,7 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
     return BenchConfig(
         questions=args.questions, per_category=args.per_category, max_new_tokens=args.max_new_tokens,
         trees=tuple(args.trees or ("2.2.2",)), model=args.model, json_out=args.json_out,
-        prompt_seeding=args.prompt_seeding, pld=args.pld, warmup=args.warmup, device=args.device,
+        prompt_seeding=args.prompt_seeding, pld=args.pld, hf=args.hf, warmup=args.warmup, device=args.device,
         dtype=args.dtype, k=args.k, time_split=args.time_split, threads=args.threads,
         cpu_kernels=args.cpu_kernels,
     )
