@@ -113,7 +113,9 @@ def test_completion_greedy_with_usage_and_tr_extension(app):
     tr = r.model_extra["tr"]
     assert tr["verification_steps"] == len(tr["accepted_per_step"]) >= 1
     assert sum(tr["accepted_per_step"]) == r.usage.completion_tokens - 1  # the first token comes from the prefill
-    assert tr["mat"] >= 1.0 and tr["tree"] == "top4"
+    assert tr["mat"] == round(sum(tr["accepted_per_step"]) / len(tr["accepted_per_step"]), 4)
+    assert all(1 <= a <= 5 for a in tr["accepted_per_step"])  # top4: at most 4 drafts and the bonus token
+    assert tr["tree"] == "top4"
 
 
 def test_completion_length_and_stop(app):
@@ -139,7 +141,7 @@ def test_chat_and_streaming_chat_give_the_same_greedy_text(app):
 
     stream = app.client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=24, temperature=0,
                                                 stream=True, stream_options={"include_usage": True})
-    pieces, reasons, usage, first_role = [], [], None, None
+    pieces, reasons, usage, first_role, final_tr = [], [], None, None, None
     for chunk in stream:
         if chunk.usage is not None:
             usage = chunk.usage
@@ -150,12 +152,16 @@ def test_chat_and_streaming_chat_give_the_same_greedy_text(app):
         pieces.append(delta.content or "")
         if chunk.choices[0].finish_reason:
             reasons.append(chunk.choices[0].finish_reason)
-            assert chunk.model_extra["tr"]["verification_steps"] >= 0
+            final_tr = chunk.model_extra["tr"]
     assert first_role == "assistant"
     assert "".join(pieces) == text
     assert reasons == [full.choices[0].finish_reason]
     assert usage.completion_tokens == full.usage.completion_tokens
     assert usage.prompt_tokens == full.usage.prompt_tokens
+    # the finishing chunk carries the request's TR stats: one entry per verification step, which
+    # together made every token but the prefill's first
+    assert final_tr["verification_steps"] == len(final_tr["accepted_per_step"]) >= 1
+    assert sum(final_tr["accepted_per_step"]) == usage.completion_tokens - 1
 
     # text content parts and max_completion_tokens are the same request
     parts = [{"role": "user", "content": [{"type": "text", "text": CHAT[0]["content"]}]}]
@@ -362,12 +368,33 @@ def test_metrics_record_outside_a_replica(app):
     from tr_serve.serve.metrics import IngressMetrics, ServerMetrics
 
     m = ServerMetrics("unit-test-model")
+    calls = []  # (metric, value, tags) for every record the metrics make
+    for name in ("running", "waiting", "kv_usage", "steps", "accepted", "tree_nodes"):
+        metric = getattr(m, name)
+        for method in ("set", "inc", "observe"):
+            real = getattr(metric, method, None)
+            if real is not None:
+                def record(value=1, tags=None, _real=real, _name=name):
+                    calls.append((_name, value))
+                    return _real(value, tags=tags)
+                setattr(metric, method, record)
     stats = {"running": 1, "prefilling": 1, "waiting": 1, "kv_rows_used": 2, "kv_rows": 4}  # AsyncEngine.stats()
     m.on_step(stats)
-    m.on_step(dict(stats))  # unchanged: gauges are not touched again
+    # running counts every request holding a KV row (decoding + prefilling); usage = rows used / rows
+    assert calls == [("steps", 1), ("running", 2), ("waiting", 1), ("kv_usage", 0.5)]
+    m.on_step(dict(stats))  # unchanged: the step is counted, the gauges are not set again
+    assert calls[4:] == [("steps", 1)]
+    m.on_step({**stats, "waiting": 0, "kv_rows_used": 1})
+    assert calls[5:] == [("steps", 1), ("running", 2), ("waiting", 0), ("kv_usage", 0.25)]
     m.accepted.observe(3)
     m.tree_nodes.observe(4)
-    IngressMetrics().request("unit-test-model", "/v1/completions", 200)
+    assert calls[-2:] == [("accepted", 3), ("tree_nodes", 4)]
+    ingress = IngressMetrics()
+    seen = []
+    real_inc = ingress.requests.inc
+    ingress.requests.inc = lambda value=1, tags=None: (seen.append((value, tags)), real_inc(value, tags=tags))
+    ingress.request("unit-test-model", "/v1/completions", 200)
+    assert seen == [(1, {"model": "unit-test-model", "endpoint": "/v1/completions", "status": "200"})]
 
 
 def test_replica_syncs_its_matrix_with_the_fleet_actor(app):
