@@ -47,7 +47,8 @@ def build_llm_deployment(config: TRServeConfig | dict, name_prefix: str = SERVER
 def build_openai_app(configs: Sequence[TRServeConfig | dict],
                      ingress_config: TRServeConfig | None = None) -> Application:
     """Ingress in front of one model server per config (model ids must be distinct). The ingress
-    options and API keys come from ``ingress_config`` (default: the first config)."""
+    options, JSON depth and drain timeout come from ``ingress_config`` (default: the first config);
+    the body size limit is the largest of the configs', the prompt character bound is per model."""
     configs = [TRServeConfig.from_args(c) for c in configs]
     if not configs:
         raise ConfigError("invalid tr_serve config: no model to serve")
@@ -59,11 +60,14 @@ def build_openai_app(configs: Sequence[TRServeConfig | dict],
     servers = {c.served_model_id: build_llm_deployment(c) for c in configs}
     cards = {c.served_model_id: model_card(c.served_model_id, created, c.max_model_len, c.model) for c in configs}
     keys = sorted(set(k for c in configs for k in c.resolved_api_keys()))
+    limits = {"max_request_bytes": max(c.resolved_max_request_bytes() for c in configs),
+              "max_json_depth": edge.max_json_depth, "drain_timeout_s": edge.drain_timeout_s,
+              "max_prompt_chars": {c.served_model_id: c.resolved_max_prompt_chars() for c in configs}}
     try:
         ingress = serve.deployment(OpenAIIngress).options(name=INGRESS_NAME, **edge.ingress_deployment_options())
     except (ValueError, TypeError) as e:
         raise ConfigError(f"invalid tr_serve config: ingress options are rejected: {e}") from None
-    return ingress.bind(llm_deployments=servers, model_cards=cards, api_keys=keys)
+    return ingress.bind(llm_deployments=servers, model_cards=cards, api_keys=keys, limits=limits)
 
 
 def build_app(args: dict[str, Any]) -> Application:

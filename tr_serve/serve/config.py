@@ -19,6 +19,11 @@ from tr_serve.fleet.config import FleetSyncConfig
 
 API_KEYS_ENV = "TR_SERVE_API_KEYS"
 
+PROMPT_CHARS_PER_TOKEN = 64  # characters per token of max_model_len a prompt may have before it is tokenized
+BODY_BYTES_PER_CHAR = 4  # JSON-escaped text takes up to 6 bytes a character, UTF-8 up to 4; most takes 1
+BODY_OVERHEAD_BYTES = 64 * 1024  # fields other than the prompt
+INGRESS_SHUTDOWN_MARGIN_S = 5.0  # the ingress outlives the model server's drain by this much
+
 _DEVICE = re.compile(r"^(cpu|mps|cuda(:\d+)?)$")
 _DTYPES = ("auto", "float32", "fp32", "bfloat16", "bf16", "float16", "fp16")
 
@@ -98,6 +103,17 @@ class TRServeConfig(BaseModel):
     api_keys: list[SecretStr] = Field(default_factory=list,
                                       description=f"Bearer keys; also {API_KEYS_ENV} (comma-separated)")
     ingress: IngressConfig = Field(default_factory=IngressConfig)
+    max_prompt_chars: Optional[int] = Field(
+        default=None, ge=1, description="characters of prompt text a request may carry, checked before tokenizing; "
+                                        f"default {PROMPT_CHARS_PER_TOKEN} * max_model_len")
+    max_request_bytes: Optional[int] = Field(
+        default=None, ge=1024, description="HTTP request body size limit, checked before the body is parsed; "
+                                           f"default {BODY_BYTES_PER_CHAR} * max_prompt_chars + {BODY_OVERHEAD_BYTES}")
+    max_json_depth: int = Field(default=32, ge=4, le=256,
+                                description="nesting of objects and arrays a request body may have")
+    drain_timeout_s: float = Field(
+        default=30.0, ge=0, description="on drain (SIGINT/SIGTERM to `tr-serve run`, a replaced replica): how long "
+                                        "in-flight requests may take to finish before they end with an error")
 
     # ---- model server deployment (Ray Serve options) ---------------------------------------
     num_replicas: Optional[Union[int, Literal["auto"]]] = 1
@@ -188,6 +204,12 @@ class TRServeConfig(BaseModel):
                             kv_cache_memory_gb=self.kv_cache_memory_gb, budget=self.budget,
                             cpu_kernels=self.cpu_kernels)
 
+    def resolved_max_prompt_chars(self) -> int:
+        return self.max_prompt_chars or PROMPT_CHARS_PER_TOKEN * self.max_model_len
+
+    def resolved_max_request_bytes(self) -> int:
+        return self.max_request_bytes or BODY_BYTES_PER_CHAR * self.resolved_max_prompt_chars() + BODY_OVERHEAD_BYTES
+
     def resolved_api_keys(self, include_env: bool = True) -> list[str]:
         keys = [k.get_secret_value() for k in self.api_keys]
         if include_env:
@@ -220,16 +242,22 @@ class TRServeConfig(BaseModel):
         if self.placement_group_bundles is not None:
             opts["placement_group_bundles"] = self.placement_group_bundles
             opts["placement_group_strategy"] = self.placement_group_strategy or "PACK"
-        for name in ("health_check_period_s", "health_check_timeout_s", "graceful_shutdown_timeout_s"):
+        for name in ("health_check_period_s", "health_check_timeout_s"):
             value = getattr(self, name)
             if value is not None:
                 opts[name] = value
+        # a replica Serve replaces (redeploy, downscale) lets its requests finish for drain_timeout_s
+        opts["graceful_shutdown_timeout_s"] = (self.graceful_shutdown_timeout_s
+                                               if self.graceful_shutdown_timeout_s is not None else self.drain_timeout_s)
         return opts
 
     def ingress_deployment_options(self) -> dict[str, Any]:
         ing = self.ingress
+        # the ingress outlives the model server's drain, so it can still frame the in-band error event
+        grace = self.server_deployment_options()["graceful_shutdown_timeout_s"] + INGRESS_SHUTDOWN_MARGIN_S
         opts: dict[str, Any] = {"max_ongoing_requests": ing.max_ongoing_requests,
-                                "ray_actor_options": dict(ing.ray_actor_options)}
+                                "ray_actor_options": dict(ing.ray_actor_options),
+                                "graceful_shutdown_timeout_s": grace}
         if ing.autoscaling_config is not None:
             opts["autoscaling_config"] = ing.autoscaling_config
         else:

@@ -2,7 +2,23 @@
 validation in OpenAI's error shape, routing by ``model`` to the model server deployments (one
 ``DeploymentHandle`` per served model id) and SSE framing of their streamed chunks.
 
-No model and no torch here: the ingress only parses, routes and frames.
+No model and no torch here: the ingress only parses, routes and frames. What it guards:
+
+- **Cost before work.** The body is read up to ``max_request_bytes`` (a larger ``Content-Length``
+  is refused before a byte is read), parsed, checked for nesting depth and lone surrogates, then
+  validated; fields the server cannot honour and prompts over ``max_prompt_chars`` are refused
+  here, so nothing of that crosses to a model replica.
+- **Every refusal is an OpenAI error body**, whatever produced it: this module's checks, Serve's
+  backpressure inside this replica (``OpenAIErrorMiddleware`` rewrites Serve's plain-text bodies),
+  a dead or restarting model replica. User strings are echoed only through ``protocol.echo`` and
+  every error body is rendered as ASCII JSON.
+- **Availability.** A probe broadcasts ``ping`` to each model's replicas every
+  ``PROBE_INTERVAL_S``; while a model has no live replica, its requests get a fast 503 with
+  ``Retry-After`` instead of waiting in Serve's queue for a replica to come back, and requests
+  already waiting for one are released with that 503.
+- **Drain.** ``drain()`` (called by ``tr-serve run`` on SIGINT/SIGTERM) refuses new generation
+  requests with 503 and gives the ones in flight ``drain_timeout_s`` to finish; then a stream
+  ends with an in-band error event and ``data: [DONE]``, a non-streamed request with a 503.
 """
 
 from __future__ import annotations
@@ -12,35 +28,59 @@ import hmac
 import json
 import logging
 import math
+import time
 from typing import Any, Optional
 
-from fastapi import FastAPI
+from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import ValidationError
 from ray import serve
-from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
+from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError, RequestCancelledError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from tr_serve.serve.protocol import (APIError, APIErrorException, ChatCompletionRequest, CompletionRequest,
-                                     error_type_for, new_id, validation_error)
+                                     bad_request, check_json, echo, error_type_for, new_id, prompt_too_long,
+                                     validation_error)
+from tr_serve.serve.server import ACCEPTED
 
 logger = logging.getLogger("ray.serve")
 
 
 ENDPOINTS = frozenset({"/v1/models", "/v1/completions", "/v1/chat/completions", "/v1/tr/stats"})
+HEALTH_ROUTES = frozenset({"/health"})  # the only routes served without an API key
+PROBE_INTERVAL_S = 1.0
+PROBE_TIMEOUT_S = 5.0
+UNAVAILABLE_RETRY_AFTER_S = 5
+PARSE_IN_THREAD_BYTES = 64 * 1024  # larger bodies are parsed and walked in a worker thread
+DEFAULT_LIMITS = {"max_request_bytes": 327680, "max_json_depth": 32, "drain_timeout_s": 30.0}
 
 
 def _json(obj: Any) -> str:
     return json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
 
 
+class ErrorJSONResponse(JSONResponse):
+    """ASCII JSON: an error body renders whatever a message holds (a lone surrogate included)."""
+
+    def render(self, content: Any) -> bytes:
+        return json.dumps(content, ensure_ascii=True, separators=(",", ":")).encode("ascii")
+
+
 def error_response(err: APIError) -> JSONResponse:
-    return JSONResponse(err.body(), status_code=err.status_code, headers=err.headers or None)
+    return ErrorJSONResponse(err.body(), status_code=err.status_code, headers=err.headers or None)
+
+
+def _route_path(scope) -> str:
+    path, root = scope.get("path", ""), scope.get("root_path", "")
+    if root and path.startswith(root):
+        path = path[len(root):] or "/"
+    return path
 
 
 class APIKeyMiddleware:
-    """Pure ASGI: every path but ``/health`` needs ``Authorization: Bearer <key>`` when keys are set.
-    Runs before the body is read, so an unauthenticated request learns nothing else."""
+    """Pure ASGI: every route but the exact health routes needs ``Authorization: Bearer <key>``
+    when keys are set. Runs before the body is read, so an unauthenticated request learns nothing else."""
 
     def __init__(self, app, keys: list[str], on_reject=None):
         self.app = app
@@ -59,15 +99,76 @@ class APIKeyMiddleware:
         return False
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] == "http" and self.keys and not scope.get("path", "").endswith("/health") \
+        if scope["type"] == "http" and self.keys and _route_path(scope) not in HEALTH_ROUTES \
                 and not self._ok(scope):
             err = APIError(401, "missing or invalid API key: send 'Authorization: Bearer <key>'",
                            "authentication_error", None, "invalid_api_key", {"WWW-Authenticate": "Bearer"})
             if self.on_reject is not None:
-                self.on_reject(scope.get("path", ""))
+                self.on_reject(_route_path(scope))
             await error_response(err)(scope, receive, send)
             return
         await self.app(scope, receive, send)
+
+
+class OpenAIErrorMiddleware:
+    """Pure ASGI, outermost: an error response that is not JSON (Serve's own backpressure handler,
+    Starlette's plain-text errors) is rewritten as an OpenAI error body with the same status and
+    ``Retry-After``; an exception that escapes before the response started becomes a 500 body."""
+
+    MAX_BODY = 64 * 1024
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        held: dict[str, Any] = {}
+        started = False
+
+        async def guarded_send(message):
+            nonlocal started
+            if message["type"] == "http.response.start":
+                status = message["status"]
+                ctype = b""
+                for k, v in message.get("headers", ()):
+                    if k.lower() == b"content-type":
+                        ctype = v.lower()
+                if status >= 400 and not ctype.startswith(b"application/json"):
+                    held["start"], held["body"] = message, b""
+                    return
+                started = True
+                await send(message)
+            elif message["type"] == "http.response.body" and "start" in held:
+                if len(held["body"]) < self.MAX_BODY:
+                    held["body"] += message.get("body", b"")
+                if not message.get("more_body", False):
+                    await self._send_rewritten(held.pop("start"), held.pop("body"), scope, receive, send)
+                    started = True
+            else:
+                await send(message)
+
+        try:
+            await self.app(scope, receive, guarded_send)
+        except Exception:
+            if started:
+                raise
+            logger.exception("tr_serve: unhandled error")
+            await error_response(APIError(500, "internal server error", "server_error"))(scope, receive, send)
+
+    @staticmethod
+    async def _send_rewritten(start, body: bytes, scope, receive, send):
+        status = start["status"]
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in start.get("headers", ())}
+        text = body.decode("utf-8", errors="replace").strip() or "error"
+        code = {429: "overloaded", 503: "unavailable", 413: "request_too_large", 404: "not_found",
+                405: "method_not_allowed"}.get(status)
+        keep = {k: v for k, v in headers.items() if k in ("retry-after", "www-authenticate", "allow")}
+        if status in (429, 503) and "retry-after" not in keep:
+            keep["retry-after"] = str(UNAVAILABLE_RETRY_AFTER_S)
+        err = APIError(status, echo(text, 300), error_type_for(status), None, code, keep)
+        await error_response(err)(scope, receive, send)
 
 
 def _overloaded(e: BackPressureError) -> APIError:
@@ -77,126 +178,366 @@ def _overloaded(e: BackPressureError) -> APIError:
                     None, "overloaded", {"Retry-After": str(max(1, math.ceil(retry)))})
 
 
-def _unavailable(e: BaseException) -> APIError:
-    return APIError(503, f"the model server is unavailable, retry later: {type(e).__name__}",
-                    "service_unavailable_error", None, "unavailable", {"Retry-After": "5"})
+def _unavailable(reason: str) -> APIError:
+    return APIError(503, f"the model server is unavailable, retry later: {reason}", "service_unavailable_error",
+                    None, "unavailable", {"Retry-After": str(UNAVAILABLE_RETRY_AFTER_S)})
+
+
+def _shutting_down(detail: str) -> APIError:
+    return APIError(503, f"the server is shutting down: {detail}", "service_unavailable_error", None,
+                    "shutting_down", {"Retry-After": str(UNAVAILABLE_RETRY_AFTER_S)})
+
+
+def _too_large(limit: int, size: int | None) -> APIError:
+    got = f" (Content-Length {size})" if size is not None else ""
+    return APIError(413, f"the request body is larger than {limit} bytes{got} (max_request_bytes)",
+                    "invalid_request_error", None, "request_too_large")
+
+
+def _consume(task: asyncio.Future) -> None:
+    """Done callback of a task whose result nobody awaits: retrieve its exception (no log noise)."""
+    if not task.cancelled():
+        task.exception()
+
+
+def _cancel(gen) -> None:
+    """Cancel a handle call whatever state it is in (``cancel()`` re-raises an assignment error)."""
+    try:
+        gen.cancel()
+    except Exception:
+        pass
+
+
+class _Model:
+    """One served model: its handles, limits and availability as the probe last saw it."""
+
+    def __init__(self, name: str, handle, max_prompt_chars: int):
+        self.name = name
+        self.handle = handle
+        self.stream_handle = handle.options(stream=True)
+        self.max_prompt_chars = max_prompt_chars
+        self.available = True  # the app is RUNNING only once every replica is up
+        self.reason = ""
+        self.down_since: float | None = None
+        self.gone = asyncio.Event()  # set while the model has no live replica
+
+    def mark_down(self, reason: str) -> None:
+        if self.available:
+            logger.warning("tr_serve: model %r unavailable (%s): requests get 503 until a replica answers",
+                           self.name, reason)
+            self.down_since = time.monotonic()
+        self.available, self.reason = False, reason
+        self.gone.set()
+
+    def mark_up(self) -> None:
+        if not self.available:
+            logger.info("tr_serve: model %r available again after %.1f s", self.name,
+                        time.monotonic() - (self.down_since or time.monotonic()))
+        self.available, self.reason, self.down_since = True, "", None
+        self.gone.clear()
 
 
 @serve.ingress()
 class OpenAIIngress:
     """``llm_deployments`` maps served model ids to model server deployments (handles at run time);
-    ``model_cards`` holds the ``/v1/models`` entry of each."""
+    ``model_cards`` holds the ``/v1/models`` entry of each; ``limits`` the edge limits
+    (``max_request_bytes``, ``max_json_depth``, ``drain_timeout_s``, ``max_prompt_chars`` per model)."""
 
-    def __init__(self, llm_deployments: dict, model_cards: dict[str, dict], api_keys: Optional[list[str]] = None):
+    def __init__(self, llm_deployments: dict, model_cards: dict[str, dict], api_keys: Optional[list[str]] = None,
+                 limits: Optional[dict[str, Any]] = None):
         from tr_serve.serve.config import env_api_keys
         from tr_serve.serve.metrics import IngressMetrics
 
-        self.handles = dict(llm_deployments)
-        self.stream_handles = {k: h.options(stream=True) for k, h in self.handles.items()}
+        limits = {**DEFAULT_LIMITS, **(limits or {})}
+        chars = dict(limits.get("max_prompt_chars") or {})
+        self.models = {name: _Model(name, h, int(chars.get(name, 64 * 2048))) for name, h in llm_deployments.items()}
         self.model_cards = dict(model_cards)
+        self.max_request_bytes = int(limits["max_request_bytes"])
+        self.max_json_depth = int(limits["max_json_depth"])
+        self.drain_timeout_s = float(limits["drain_timeout_s"])
         # keys given at build time, plus the env var as this replica sees it
         self.api_keys = sorted(set(api_keys or []) | set(env_api_keys()))
         self.metrics = IngressMetrics()
+        self.draining = False
+        self.drain_started: float | None = None
+        self.in_flight = 0
+        self._drain_at: float | None = None  # event-loop time at which in-flight requests are cut
+        self._timeouts: set = set()  # asyncio.Timeout of every await on a model replica
+        self._monitor: asyncio.Task | None = None
+        self._probe_now = asyncio.Event()
 
     def __serve_build_asgi_app__(self) -> FastAPI:
         return build_fastapi_app(self)
 
-    # ---- helpers ----------------------------------------------------------------------------
+    # ---- control plane (called through the handle by `tr-serve run` and tests) ---------------
+    async def drain(self, timeout_s: float | None = None) -> dict[str, Any]:
+        """Refuse new generation requests (503); in-flight ones get ``timeout_s`` (default
+        ``drain_timeout_s``) to finish, then end with an error. Idempotent."""
+        if not self.draining:
+            grace = self.drain_timeout_s if timeout_s is None else max(0.0, float(timeout_s))
+            self.draining = True
+            self.drain_started = time.monotonic()
+            self._drain_at = asyncio.get_running_loop().time() + grace
+            for t in list(self._timeouts):
+                t.reschedule(self._drain_at)
+            logger.info("tr_serve: draining: %d request(s) in flight get %.1f s to finish", self.in_flight, grace)
+        return self.drain_status()
+
+    async def drain_status(self) -> dict[str, Any]:
+        return {"draining": self.draining, "in_flight": self.in_flight,
+                "models": {n: {"available": m.available, "reason": m.reason} for n, m in self.models.items()}}
+
+    # ---- availability probe -------------------------------------------------------------------
+    def _ensure_monitor(self) -> None:
+        if self._monitor is None or self._monitor.done():
+            self._monitor = asyncio.get_running_loop().create_task(self._monitor_loop(), name="tr-serve-probe")
+
+    async def _monitor_loop(self) -> None:
+        while True:
+            await asyncio.gather(*[self._probe(m) for m in self.models.values()])
+            self._probe_now.clear()
+            try:
+                await asyncio.wait_for(self._probe_now.wait(), PROBE_INTERVAL_S)
+            except asyncio.TimeoutError:
+                pass
+
+    async def _probe(self, model: _Model) -> None:
+        import ray.exceptions
+
+        try:
+            results = await model.handle.broadcast("ping").results_async(timeout_s=PROBE_TIMEOUT_S,
+                                                                          return_exceptions=True)
+        except DeploymentUnavailableError:
+            model.mark_down("no running replica")
+            return
+        except TimeoutError:  # slow, not gone: Serve's health check decides about slow replicas
+            return
+        except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError) as e:
+            model.mark_down(type(e).__name__)
+            return
+        except Exception:
+            logger.warning("tr_serve: availability probe of %r failed", model.name, exc_info=True)
+            return
+        if any(isinstance(r, dict) and r.get("alive") for r in results):
+            model.mark_up()
+        else:
+            reasons = sorted({type(r).__name__ if isinstance(r, BaseException) else "engine stopped"
+                              for r in results}) or ["no running replica"]
+            model.mark_down(", ".join(reasons))
+
+    # ---- helpers ------------------------------------------------------------------------------
     def count(self, model: str, endpoint: str, status: int | str) -> None:
         try:
-            self.metrics.request(model if model in self.handles else "",
+            self.metrics.request(model if model in self.models else "",
                                  endpoint if endpoint in ENDPOINTS else "other", status)
         except Exception:  # metrics never fail a request
             logger.debug("metrics failed", exc_info=True)
 
-    def _handle(self, body, endpoint: str):
-        if body.model not in self.handles:
-            self.count("", endpoint, 404)
-            raise APIErrorException(APIError(
-                404, f"the model '{body.model}' does not exist; available: {sorted(self.handles)}",
-                "invalid_request_error", "model", "model_not_found"))
-        return self.handles[body.model], self.stream_handles[body.model]
+    def refuse(self, model: str, endpoint: str, err: APIError) -> JSONResponse:
+        self.count(model, endpoint, err.status_code)
+        return error_response(err)
 
-    async def generate(self, body, endpoint: str, method: str, id_prefix: str):
-        handle, stream_handle = self._handle(body, endpoint)
-        request_id = new_id(id_prefix)
-        model = body.model
-        if not body.stream:
+    async def read_request(self, request: Request, model_cls):
+        """The body, size-bounded, parsed, depth/surrogate-checked and validated: a model or an APIError."""
+        limit = self.max_request_bytes
+        declared = request.headers.get("content-length")
+        if declared is not None:
             try:
-                result = await getattr(handle, method).remote(body, request_id)
-            except BackPressureError as e:
-                result = _overloaded(e)
-            except DeploymentUnavailableError as e:
-                result = _unavailable(e)
-            except asyncio.CancelledError:
-                self.count(model, endpoint, 499)
-                raise
-            except Exception as e:
-                result = self._remote_failure(e)
-            if isinstance(result, APIError):
-                self.count(model, endpoint, result.status_code)
-                return error_response(result)
-            self.count(model, endpoint, 200)
-            return JSONResponse(result)
+                size = int(declared)
+            except ValueError:
+                return bad_request("invalid Content-Length header", None, "invalid_body")
+            if size > limit:
+                return _too_large(limit, size)
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                return _too_large(limit, None)
+            chunks.append(chunk)
+        raw = b"".join(chunks)
+        if len(raw) > PARSE_IN_THREAD_BYTES:
+            return await asyncio.to_thread(self._decode, raw, model_cls)
+        return self._decode(raw, model_cls)
 
-        gen = getattr(stream_handle, method + "_stream").remote(body, request_id)
+    def _decode(self, raw: bytes, model_cls):
+        if not raw.strip():
+            return bad_request("request body is missing: send a JSON object", None, "missing_body")
         try:
-            first = await gen.__anext__()
-        except StopAsyncIteration:
-            first = APIError(500, "the model server returned nothing", "server_error")
-        except BackPressureError as e:
-            first = _overloaded(e)
-        except DeploymentUnavailableError as e:
-            first = _unavailable(e)
-        except asyncio.CancelledError:
-            gen.cancel()
-            self.count(model, endpoint, 499)
-            raise
-        except Exception as e:
-            first = self._remote_failure(e)
-        if isinstance(first, APIError):
-            gen.cancel()
-            self.count(model, endpoint, first.status_code)
-            return error_response(first)
-        return StreamingResponse(self._sse(first, gen, model, endpoint), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+            obj = json.loads(raw)
+        except RecursionError:
+            return bad_request(f"the request body nests more than {self.max_json_depth} levels of objects and "
+                               "arrays", None, "invalid_body")
+        except UnicodeDecodeError as e:
+            return bad_request(f"request body is not valid UTF-8: {echo(e.reason, 100)} at byte {e.start}", None,
+                               "invalid_json")
+        except ValueError as e:
+            msg = e.msg if isinstance(e, json.JSONDecodeError) else echo(e, 100)
+            return bad_request(f"request body is not valid JSON: {msg}", None, "invalid_json")
+        if not isinstance(obj, dict):
+            return bad_request("request body must be a JSON object (Content-Type: application/json)", None,
+                               "invalid_body")
+        err = check_json(obj, self.max_json_depth)
+        if err is not None:
+            return err
+        try:
+            return model_cls.model_validate(obj)
+        except ValidationError as e:
+            return validation_error(list(e.errors(include_url=False, include_input=False)))
 
-    def _remote_failure(self, e: BaseException) -> APIError:
+    async def handle_generation(self, request: Request, model_cls, endpoint: str, method: str, id_prefix: str):
+        self._ensure_monitor()
+        if self.draining:
+            return self.refuse("", endpoint, _shutting_down("not accepting new requests"))
+        body = await self.read_request(request, model_cls)
+        if isinstance(body, APIError):
+            return self.refuse("", endpoint, body)
+        err = body.unsupported()
+        if err is not None:
+            return self.refuse("", endpoint, err)
+        model = self.models.get(body.model)
+        if model is None:
+            return self.refuse("", endpoint, APIError(
+                404, f"the model '{echo(body.model)}' does not exist; available: {sorted(self.models)}",
+                "invalid_request_error", "model", "model_not_found"))
+        chars = body.prompt_chars()
+        if chars > model.max_prompt_chars:
+            return self.refuse(body.model, endpoint, prompt_too_long(chars, model.max_prompt_chars,
+                                                                     body.prompt_param))
+        if not model.available:
+            return self.refuse(body.model, endpoint, _unavailable(model.reason))
+        return await self.generate(body, model, endpoint, method, id_prefix)
+
+    async def _next(self, gen):
+        """The next item of a handle stream; ``TimeoutError`` once a drain's deadline has passed."""
+        async with asyncio.timeout_at(self._drain_at) as t:
+            self._timeouts.add(t)
+            try:
+                return await gen.__anext__()
+            finally:
+                self._timeouts.discard(t)
+
+    async def _accepted(self, gen, model: _Model) -> Optional[APIError]:
+        """Wait until a live replica took the request (its ``ACCEPTED``): None, or the APIError
+        that ends it. Released with a 503 when the model loses its last replica meanwhile."""
+        nxt = asyncio.ensure_future(self._next(gen))
+        nxt.add_done_callback(_consume)
+        gone = asyncio.ensure_future(model.gone.wait())
+        try:
+            await asyncio.wait({nxt, gone}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+            if not nxt.done():
+                _cancel(gen)
+                nxt.cancel()
+        if not nxt.done() or nxt.cancelled():
+            return _unavailable(model.reason or "no running replica")
+        try:
+            item = nxt.result()
+        except StopAsyncIteration:
+            return APIError(500, "the model server returned nothing", "server_error")
+        except Exception as e:
+            return self._failure(e, model)
+        if item != ACCEPTED:
+            return item if isinstance(item, APIError) else APIError(500, "unexpected reply from the model server",
+                                                                    "server_error")
+        return None
+
+    def _failure(self, e: BaseException, model: _Model | None) -> APIError:
         import ray.exceptions
 
-        if isinstance(e, (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError)):
-            return _unavailable(e)
+        if isinstance(e, BackPressureError):
+            return _overloaded(e)
+        if isinstance(e, TimeoutError):  # the drain deadline passed
+            return _shutting_down("the request did not finish within the drain timeout")
+        if isinstance(e, (DeploymentUnavailableError, ray.exceptions.RayActorError,
+                          ray.exceptions.ActorUnavailableError, RequestCancelledError,
+                          ray.exceptions.TaskCancelledError)):
+            self._probe_now.set()  # find out now whether any replica is left
+            return _unavailable(type(e).__name__)
         logger.exception("tr_serve: request to the model server failed")
         return APIError(500, f"internal error: {type(e).__name__}", "server_error")
 
-    async def _sse(self, first, gen, model: str, endpoint: str):
-        """``data: {json}`` per chunk, then ``data: [DONE]``. Leaving early (client gone) cancels
-        the handle's generator, which aborts the request in the engine."""
+    async def generate(self, body, model: _Model, endpoint: str, method: str, id_prefix: str):
+        request_id = new_id(id_prefix)
+        name = model.name
+        gen = getattr(model.stream_handle, method).remote(body, request_id)
+        self.in_flight += 1
+        handed_over = False  # to the SSE response, which then owns gen and the in-flight count
+        try:
+            err = await self._accepted(gen, model)
+            if err is None:
+                try:
+                    first = await self._next(gen)
+                except StopAsyncIteration:
+                    first = APIError(500, "the model server returned nothing", "server_error")
+                except Exception as e:
+                    first = self._failure(e, model)
+            else:
+                first = err
+            if isinstance(first, APIError):
+                return self.refuse(name, endpoint, first)
+            if not body.stream:
+                self.count(name, endpoint, 200)
+                return JSONResponse(first)
+            response = _SSEResponse(self._sse(first, gen, model, endpoint), on_close=lambda: self._closed(gen),
+                                    media_type="text/event-stream",
+                                    headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+            handed_over = True
+            return response
+        except asyncio.CancelledError:
+            self.count(name, endpoint, 499)
+            raise
+        finally:
+            if not handed_over:
+                _cancel(gen)
+                self.in_flight -= 1
+
+    def _closed(self, gen) -> None:
+        _cancel(gen)  # no-op when the stream ran to its end
+        self.in_flight -= 1
+
+    async def _sse(self, first, gen, model: _Model, endpoint: str):
+        """``data: {json}`` per chunk, then ``data: [DONE]``; a failure after the 200 went out is an
+        in-band error event, then ``[DONE]``. Leaving early (client gone) cancels the handle's
+        generator, which aborts the request in the engine."""
         status: int = 499
-        done = False
         try:
             yield f"data: {_json(first)}\n\n"
-            async for item in gen:
+            while True:
+                try:
+                    item = await self._next(gen)
+                except StopAsyncIteration:
+                    status = 200
+                    break
+                except Exception as e:
+                    item = self._failure(e, model)
                 if isinstance(item, APIError):
                     status = item.status_code
-                    yield f"data: {_json(item.body())}\n\n"
+                    yield f"data: {json.dumps(item.body(), ensure_ascii=True, separators=(',', ':'))}\n\n"
                     break
                 yield f"data: {_json(item)}\n\n"
-            else:
-                status = 200
-            yield "data: [DONE]\n\n"
-            done = True
-        except (asyncio.CancelledError, GeneratorExit):
-            raise
-        except Exception as e:  # the stream broke after the 200 went out: say so in-band
-            err = _overloaded(e) if isinstance(e, BackPressureError) else self._remote_failure(e)
-            status = err.status_code
-            yield f"data: {_json(err.body())}\n\n"
             yield "data: [DONE]\n\n"
         finally:
-            if not done:
-                gen.cancel()
-            self.count(model, endpoint, status)
+            self.count(model.name, endpoint, status)
+
+
+class _SSEResponse(StreamingResponse):
+    """A StreamingResponse that always runs ``on_close`` once it is done with, including when the
+    client left before the body iterator started (whose ``finally`` then never runs)."""
+
+    def __init__(self, content, on_close, **kwargs):
+        super().__init__(content, **kwargs)
+        self._on_close = on_close
+
+    async def __call__(self, scope, receive, send):
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            try:
+                await self.body_iterator.aclose()
+            except Exception:  # already closed or still being closed by its own task
+                pass
+            self._on_close()
 
 
 def build_fastapi_app(ingress: OpenAIIngress) -> FastAPI:
@@ -205,6 +546,7 @@ def build_fastapi_app(ingress: OpenAIIngress) -> FastAPI:
     if ingress.api_keys:
         app.add_middleware(APIKeyMiddleware, keys=ingress.api_keys,
                            on_reject=lambda path: ingress.count("", path, 401))
+    app.add_middleware(OpenAIErrorMiddleware)  # added last: the outermost
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request, exc: RequestValidationError):
@@ -219,7 +561,7 @@ def build_fastapi_app(ingress: OpenAIIngress) -> FastAPI:
     @app.exception_handler(StarletteHTTPException)
     async def _http(request, exc: StarletteHTTPException):
         status = exc.status_code
-        err = APIError(status, str(exc.detail), error_type_for(status), None, None, dict(exc.headers or {}))
+        err = APIError(status, echo(exc.detail, 300), error_type_for(status), None, None, dict(exc.headers or {}))
         return error_response(err)
 
     @app.exception_handler(Exception)
@@ -229,6 +571,12 @@ def build_fastapi_app(ingress: OpenAIIngress) -> FastAPI:
 
     @app.get("/health")
     async def health():
+        ingress._ensure_monitor()
+        if ingress.draining:
+            return error_response(_shutting_down("draining"))
+        down = sorted(n for n, m in ingress.models.items() if not m.available)
+        if down and len(down) == len(ingress.models):
+            return error_response(_unavailable(f"no live replica of {down}"))
         return {"status": "ok"}
 
     @app.get("/v1/models")
@@ -240,27 +588,35 @@ def build_fastapi_app(ingress: OpenAIIngress) -> FastAPI:
     async def get_model(model_id: str):
         card = ingress.model_cards.get(model_id)
         if card is None:
-            raise APIErrorException(APIError(404, f"the model '{model_id}' does not exist", "invalid_request_error",
-                                             "model", "model_not_found"))
+            raise APIErrorException(APIError(404, f"the model '{echo(model_id)}' does not exist",
+                                             "invalid_request_error", "model", "model_not_found"))
         return card
 
     @app.post("/v1/completions")
-    async def completions(body: CompletionRequest):
-        return await ingress.generate(body, "/v1/completions", "completions", "cmpl")
+    async def completions(request: Request):
+        return await ingress.handle_generation(request, CompletionRequest, "/v1/completions", "completions", "cmpl")
 
     @app.post("/v1/chat/completions")
-    async def chat_completions(body: ChatCompletionRequest):
-        return await ingress.generate(body, "/v1/chat/completions", "chat", "chatcmpl")
+    async def chat_completions(request: Request):
+        return await ingress.handle_generation(request, ChatCompletionRequest, "/v1/chat/completions", "chat",
+                                               "chatcmpl")
 
     @app.get("/v1/tr/stats")
     async def tr_stats():
-        """Load of one replica per model (running/waiting requests, KV rows in use)."""
-        names = sorted(ingress.handles)
-        results = await asyncio.gather(*[ingress.handles[n].engine_stats.remote() for n in names],
-                                       return_exceptions=True)
-        data = []
-        for name, r in zip(names, results):
-            data.append(r if isinstance(r, dict) else {"model": name, "error": f"{type(r).__name__}: {r}"})
+        """Load of every live replica of each model (running/waiting requests, KV rows in use)."""
+        ingress._ensure_monitor()
+        names = sorted(ingress.models)
+
+        async def one(name: str) -> list[dict]:
+            try:
+                results = await ingress.models[name].handle.broadcast("engine_stats").results_async(
+                    timeout_s=PROBE_TIMEOUT_S, return_exceptions=True)
+            except Exception as e:
+                return [{"model": name, "error": f"unavailable: {type(e).__name__}"}]
+            return [r if isinstance(r, dict) else {"model": name, "error": type(r).__name__} for r in results]
+
+        data = [entry for entries in await asyncio.gather(*[one(n) for n in names]) for entry in entries]
+        ingress.count("", "/v1/tr/stats", 200)
         return {"object": "list", "data": data}
 
     return app

@@ -1,9 +1,13 @@
 """OpenAI-compatible request models, error bodies and response helpers (no Ray, no torch).
 
 Requests are validated strictly (``"5"`` is not an integer, ``"true"`` is not a boolean) and
-unknown fields are ignored, as OpenAI does. Fields OpenAI defines but this server cannot honour
-(``logprobs``, ``tools``, penalties, ...) are rejected with a 400 naming the field rather than
-silently dropped.
+unknown fields are ignored, as vLLM does. Fields OpenAI defines but this server cannot honour
+(``logprobs``, ``tools``, ``tool_choice``, penalties, ...) are rejected with a 400 naming the field
+rather than silently dropped.
+
+Before a body reaches these models, ``check_json`` bounds its nesting depth and refuses lone UTF-16
+surrogates (which no tokenizer or JSON encoder takes); ``echo`` is the only way a user-supplied
+string gets into an error message: cut to ``ECHO_CHARS`` characters, anything unprintable escaped.
 """
 
 from __future__ import annotations
@@ -16,6 +20,9 @@ from typing import Any, Literal, Optional, Union
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr
 
 _INT64_MAX = 2**63 - 1
+ECHO_CHARS = 64  # most characters of a user-supplied string an error message repeats
+MAX_STOP_STRINGS = 16
+MAX_STOP_CHARS = 1000
 
 
 # ---- errors ---------------------------------------------------------------------------------
@@ -36,6 +43,66 @@ class APIError:
 
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
     return APIError(400, message, "invalid_request_error", param, code)
+
+
+def echo(value: Any, limit: int = ECHO_CHARS) -> str:
+    """A user-supplied value as an error message may repeat it: at most ``limit`` characters, with
+    unprintable characters (controls, lone surrogates) escaped, and the length said when cut."""
+    text = value if isinstance(value, str) else str(value)
+    short = text[:limit]
+    out = "".join(c if c.isprintable() else f"\\u{ord(c):04x}" if ord(c) < 0x10000 else f"\\U{ord(c):08x}"
+                  for c in short)
+    if len(text) > limit:
+        out += f"... ({len(text)} characters)"
+    return out
+
+
+def prompt_too_long(chars: int, limit: int, param: str) -> APIError:
+    return bad_request(f"the prompt has {chars} characters; this server takes at most {limit} (max_prompt_chars) "
+                       "before tokenizing", param, "context_length_exceeded")
+
+
+def has_lone_surrogate(text: str) -> bool:
+    if text.isascii():
+        return False
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return True
+    return False
+
+
+def _path_param(path: tuple) -> str | None:
+    out = ""
+    for p in path:
+        out += f"[{p}]" if isinstance(p, int) else ("." if out else "") + echo(p, 32)
+    return out or None
+
+
+def check_json(obj: Any, max_depth: int) -> APIError | None:
+    """Walk a parsed JSON body without recursion: a 400 naming the place when it nests deeper
+    than ``max_depth`` containers or holds a lone UTF-16 surrogate (in a key or a string)."""
+    stack: list[tuple[Any, int, tuple]] = [(obj, 0, ())]
+    while stack:
+        value, depth, path = stack.pop()
+        if isinstance(value, (dict, list)):
+            depth += 1
+            if depth > max_depth:
+                return bad_request(f"the request body nests more than {max_depth} levels of objects and arrays",
+                                   _path_param(path[:4]), "invalid_body")
+            if isinstance(value, dict):
+                for k, v in value.items():
+                    if has_lone_surrogate(k):
+                        return bad_request("a key of the request body holds a lone UTF-16 surrogate (a "
+                                           "\\ud800-\\udfff escape without its pair): send valid Unicode",
+                                           _path_param(path), "invalid_unicode")
+                    stack.append((v, depth, path + (k,)))
+            else:
+                stack.extend((v, depth, path + (i,)) for i, v in enumerate(value))
+        elif isinstance(value, str) and has_lone_surrogate(value):
+            return bad_request("the request holds a lone UTF-16 surrogate (a \\ud800-\\udfff escape without its "
+                               "pair): send valid Unicode", _path_param(path), "invalid_unicode")
+    return None
 
 
 def error_type_for(status: int) -> str:
@@ -62,7 +129,7 @@ def validation_param(loc: tuple | list) -> str | None:
         elif p in ("str", "list[str]", "list[int]", "list[list[int]]", "function-after", "union_tag"):
             continue  # union branch names pydantic puts in the location
         else:
-            out += ("." if out else "") + str(p)
+            out += ("." if out else "") + echo(p, 32)
     return out or None
 
 
@@ -133,6 +200,13 @@ class _SamplingFields(_Strict):
     user: Optional[StrictStr] = None
 
     def unsupported(self) -> APIError | None:
+        stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or ())
+        if len(stops) > MAX_STOP_STRINGS:
+            return bad_request(f"at most {MAX_STOP_STRINGS} stop strings are supported, got {len(stops)}", "stop",
+                               "invalid_value")
+        if any(len(s) > MAX_STOP_CHARS for s in stops):
+            return bad_request(f"a stop string may have at most {MAX_STOP_CHARS} characters", "stop",
+                               "invalid_value")
         if self.n is not None and self.n > 1:
             return bad_request("n > 1 is not supported", "n", "unsupported_value")
         for name in ("frequency_penalty", "presence_penalty"):
@@ -180,6 +254,17 @@ class CompletionRequest(_SamplingFields):
         return bad_request("batched prompts are not supported: send one prompt per request", "prompt",
                            "unsupported_value")
 
+    def prompt_chars(self) -> int:
+        """Characters the tokenizer would see (a token id counts as one)."""
+        p = self.prompt
+        if isinstance(p, str):
+            return len(p)
+        return sum(len(x) if isinstance(x, (str, list)) else 1 for x in p)
+
+    @property
+    def prompt_param(self) -> str:
+        return "prompt"
+
     @property
     def max_tokens_param(self) -> str:
         return "max_tokens"
@@ -196,6 +281,12 @@ class ChatCompletionRequest(_SamplingFields):
     top_logprobs: Optional[StrictInt] = None
     tools: Optional[list[Any]] = None
     tool_choice: Optional[Any] = None
+    functions: Optional[list[Any]] = None  # the deprecated form of tools
+    function_call: Optional[Any] = None
+    audio: Optional[Any] = None
+    modalities: Optional[list[StrictStr]] = None
+    prediction: Optional[Any] = None
+    web_search_options: Optional[Any] = None
     response_format: Optional[dict[str, Any]] = None
 
     def unsupported(self) -> APIError | None:
@@ -203,6 +294,14 @@ class ChatCompletionRequest(_SamplingFields):
             return bad_request("logprobs are not supported", "logprobs", "unsupported_value")
         if self.tools:
             return bad_request("tools are not supported", "tools", "unsupported_value")
+        if self.tool_choice is not None and self.tool_choice != "none":  # "none" asks for what we do anyway
+            return bad_request("tool_choice is not supported (tool calling is not available; \"none\" is "
+                               "accepted)", "tool_choice", "unsupported_value")
+        for name in ("functions", "function_call", "audio", "prediction", "web_search_options"):
+            if getattr(self, name) is not None:
+                return bad_request(f"{name} is not supported", name, "unsupported_value")
+        if self.modalities is not None and any(m != "text" for m in self.modalities):
+            return bad_request("only the \"text\" modality is supported", "modalities", "unsupported_value")
         if self.response_format and self.response_format.get("type", "text") != "text":
             return bad_request("only response_format {\"type\": \"text\"} is supported", "response_format",
                                "unsupported_value")
@@ -217,6 +316,13 @@ class ChatCompletionRequest(_SamplingFields):
             role = "system" if m.role == "developer" else m.role
             out.append({"role": role, "content": m.text()})
         return out
+
+    def prompt_chars(self) -> int:
+        return sum(len(m.text()) + len(m.name or "") for m in self.messages)
+
+    @property
+    def prompt_param(self) -> str:
+        return "messages"
 
     @property
     def max_tokens_param(self) -> str:

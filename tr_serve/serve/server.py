@@ -1,10 +1,14 @@
 """``LLMServer``: the model server deployment. It owns one ``AsyncEngine`` (model, KV cache rows,
 adjacency matrix) and turns validated OpenAI requests into engine requests and OpenAI responses.
 
-Its methods never raise for a bad request: they return (or, streaming, yield first) an
-``APIError`` that the ingress turns into the HTTP status, so one bad request cannot take the
-replica down or touch another request. Cancelling a call (client gone) closes the engine stream,
-which aborts the request in the engine.
+Requests come in through ``completions`` / ``chat``, async generators whose first item is
+``ACCEPTED`` (the request reached a live replica: the ingress stops counting it as waiting for
+one), then either the chunks of a stream or one full response. They never raise for a bad
+request: they yield an ``APIError`` that the ingress turns into the HTTP status, so one bad
+request cannot take the replica down or touch another request. Tokenization runs in a worker
+thread, never on the event loop that streams the other requests, and only after the prompt passed
+a character bound. Cancelling a call (client gone) closes the engine stream, which aborts the
+request in the engine.
 """
 
 from __future__ import annotations
@@ -17,10 +21,11 @@ from typing import Any, AsyncIterator, Union
 
 from tr_serve.serve.config import TRServeConfig
 from tr_serve.serve.protocol import (APIError, ChatCompletionRequest, CompletionRequest, bad_request, now,
-                                     usage)
+                                     echo, prompt_too_long, usage)
 
 logger = logging.getLogger("ray.serve")
 
+ACCEPTED = "tr_serve:accepted"  # first item of every request generator: a live replica has it
 _GREEDY_EPS = 1e-5
 _SAMPLING_FIELDS = ("max_tokens", "stop", "temperature", "top_p", "top_k", "seed", "ignore_eos")
 
@@ -52,6 +57,7 @@ class LLMServer:
             self.vocab_size = int(loaded.model.config.vocab_size)
             core = Engine(loaded, engine_config)
         self.max_model_len = engine_config.max_model_len
+        self.max_prompt_chars = self.config.resolved_max_prompt_chars()
         self.metrics = ServerMetrics(self.model_id)
         # the step thread only steps once a request came through self.engine, so self.engine is set by then
         self.engine = AsyncEngine(core,
@@ -88,31 +94,55 @@ class LLMServer:
             engine.shutdown()
 
     # ---- methods called through the handle ------------------------------------------------------
+    async def ping(self) -> dict[str, Any]:
+        """The ingress's availability probe (a broadcast, outside the request queue)."""
+        return {"model": self.model_id, "alive": self.engine.alive}
+
     async def engine_stats(self) -> dict[str, Any]:
         """Load of this replica (no matrix contents). ``num_running`` counts every request that
         holds a KV row (prefilling or decoding)."""
+        from ray import serve
+
         from tr_serve.serve.metrics import engine_load
 
-        return {"model": self.model_id, **engine_load(self.engine.stats()), "max_num_seqs": self.config.max_num_seqs,
+        try:
+            replica = serve.get_replica_context().replica_id.unique_id
+        except Exception:  # outside a Serve replica (direct construction in tests)
+            replica = None
+        return {"model": self.model_id, "replica": replica, **engine_load(self.engine.stats()),
+                "max_num_seqs": self.config.max_num_seqs,
                 "tree": self.config.tree, "engine_alive": self.engine.alive,
                 "requests_finished": self.num_finished, "requests_aborted": self.num_aborted,
                 "fleet": self.fleet.stats() if getattr(self, "fleet", None) is not None else None}
 
-    async def completions(self, request: CompletionRequest, request_id: str) -> Union[dict, APIError]:
-        return await self._full(request, request_id, chat=False)
-
-    async def chat(self, request: ChatCompletionRequest, request_id: str) -> Union[dict, APIError]:
-        return await self._full(request, request_id, chat=True)
-
-    async def completions_stream(self, request: CompletionRequest, request_id: str) -> AsyncIterator:
-        async with aclosing(self._stream(request, request_id, chat=False)) as items:
+    async def completions(self, request: CompletionRequest, request_id: str) -> AsyncIterator:
+        """``ACCEPTED``, then the chunks (``request.stream``) or the full response, or an APIError."""
+        yield ACCEPTED
+        async with aclosing(self._respond(request, request_id, chat=False)) as items:
             async for item in items:
                 yield item
 
-    async def chat_stream(self, request: ChatCompletionRequest, request_id: str) -> AsyncIterator:
-        async with aclosing(self._stream(request, request_id, chat=True)) as items:
+    async def chat(self, request: ChatCompletionRequest, request_id: str) -> AsyncIterator:
+        yield ACCEPTED
+        async with aclosing(self._respond(request, request_id, chat=True)) as items:
             async for item in items:
                 yield item
+
+    async def _respond(self, request, request_id: str, chat: bool) -> AsyncIterator:
+        if request.stream:
+            async with aclosing(self._stream(request, request_id, chat)) as items:
+                async for item in items:
+                    yield item
+        else:
+            yield await self._full(request, request_id, chat)
+
+    async def _prepare_off_loop(self, request, chat: bool):
+        """``_prepare`` in a worker thread: tokenizing (up to ``max_prompt_chars`` characters) never
+        holds up the event loop that streams the other requests."""
+        chars = request.prompt_chars()
+        if chars > self.max_prompt_chars:
+            return prompt_too_long(chars, self.max_prompt_chars, request.prompt_param)
+        return await asyncio.to_thread(self._prepare, request, chat)
 
     # ---- request -> engine --------------------------------------------------------------------
     def _prepare(self, request, chat: bool):
@@ -131,7 +161,7 @@ class LLMServer:
             try:
                 ids = encode_prompt(self.tokenizer, messages)
             except Exception as e:  # jinja TemplateError and friends: the messages do not fit the template
-                return bad_request(f"the messages do not fit the model's chat template: {e}", "messages")
+                return bad_request(f"the messages do not fit the model's chat template: {echo(e, 300)}", "messages")
         else:
             prompt_param = "prompt"
             prompt = request.single_prompt()
@@ -145,7 +175,7 @@ class LLMServer:
             try:
                 ids = encode_prompt(self.tokenizer, prompt)
             except Exception as e:
-                return bad_request(f"could not tokenize the prompt: {e}", "prompt")
+                return bad_request(f"could not tokenize the prompt: {echo(e, 300)}", "prompt")
         n, limit = len(ids), self.max_model_len
         if n == 0:
             return bad_request("the prompt is empty", prompt_param)
@@ -181,7 +211,7 @@ class LLMServer:
             param = word if word in _SAMPLING_FIELDS else None
             if param == "stop" or str(e).startswith("stop strings"):
                 param = "stop"
-            return bad_request(str(e), param)
+            return bad_request(echo(e, 300), param)
         return ids, params
 
     async def _outputs(self, ids, params, request_id: str):
@@ -242,7 +272,7 @@ class LLMServer:
                 "tree_nodes_per_step": stats.tree_nodes_per_step, "tree": self.config.tree}
 
     async def _full(self, request, request_id: str, chat: bool) -> Union[dict, APIError]:
-        prepared = self._prepare(request, chat)
+        prepared = await self._prepare_off_loop(request, chat)
         if isinstance(prepared, APIError):
             return prepared
         ids, params = prepared
@@ -271,7 +301,7 @@ class LLMServer:
 
     async def _stream(self, request, request_id: str, chat: bool) -> AsyncIterator[Union[dict, APIError]]:
         """Yields an APIError (then stops) or OpenAI chunk dicts. The ingress frames them as SSE."""
-        prepared = self._prepare(request, chat)
+        prepared = await self._prepare_off_loop(request, chat)
         if isinstance(prepared, APIError):
             yield prepared
             return
