@@ -18,7 +18,9 @@ NEW_TOKENS = 64
 NUM_PROMPTS = 12  # hot-matrix runs
 NUM_COLD = 4  # cold-matrix prompts: the hot run's first prompt plus NUM_COLD - 1 fresh engines
 MAX_PROMPT_TOKENS = 600
-TEMPLATES = ["2.2.2", "top8", "chain4"]
+# the paper's tree, a small subset, a chain, the hybrid (context branch merged into the tree),
+# prompt lookup through the same runner, and the cost-aware hybrid (trees differ per row and step)
+TEMPLATES = ["2.2.2", "top8", "chain4", "2.2.2+ctx", "pld", "auto"]
 
 
 @pytest.fixture(scope="session")
@@ -85,8 +87,9 @@ def test_lossless_hot_matrix(loaded, bench_prompts, references, tree):
         mats.append(out.stats.mat)
     mean = sum(mats) / len(mats)
     print(f"\n{tree} hot-matrix MAT per prompt: {[round(m, 2) for m in mats]}, mean {mean:.2f}")
-    if tree == "2.2.2":
-        assert mean > 1.3, f"mean MAT {mean:.2f} over {len(mats)} prompts: drafting does not seem to work"
+    floor = {"2.2.2": 1.3, "2.2.2+ctx": 1.3, "pld": 1.02}.get(tree)
+    if floor is not None:
+        assert mean > floor, f"mean MAT {mean:.2f} over {len(mats)} prompts: drafting does not seem to work"
 
 
 @pytest.mark.parametrize("tree", TEMPLATES)

@@ -35,12 +35,12 @@ def test_seeding_follows_the_budget(tokenizer, tmp_path, monkeypatch, budget):
     if budget == "auto":
         # plain decoding wins every step: once the moving average of the budget is below one node,
         # the LM head over the prompt is not run any more
-        import tr_serve.engine.engine as engine_module
+        import tr_serve.tr.drafter as drafter_module
 
-        monkeypatch.setattr(engine_module, "choose_budget", lambda *args, **kwargs: 0)
+        monkeypatch.setattr(drafter_module, "choose_plan", lambda *args, **kwargs: (0, 0))
         for _ in range(3):
             _seeded_prefills(engine, 1)
-        assert engine._mean_budget < 1.0
+        assert engine.drafter.mean_nodes < 1.0
         assert _seeded_prefills(engine) == [False, False]
     else:
         assert _seeded_prefills(engine) == [True, True]

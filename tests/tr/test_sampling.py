@@ -99,13 +99,14 @@ def test_tree_sampling_keeps_the_model_distribution(tokenizer):
         assert chi2 < _critical_chi2(df), f"token {position + 1}: chi2={chi2:.1f} over {df} df"
 
 
-def test_seeded_sampling_is_identical_with_and_without_the_tree(loaded, spec_bench_rows):
+@pytest.mark.parametrize("spec", ["top8", "2.2.2+ctx"])
+def test_seeded_sampling_is_identical_with_and_without_the_tree(loaded, spec_bench_rows, spec):
     from tr_serve import LLM
 
     prompts = [[{"role": "user", "content": r["turns"][0]}] for r in spec_bench_rows[:40:10]]
     params = SamplingParams(max_tokens=32, temperature=0.8, top_p=0.95, top_k=40, seed=1234)
     plain = LLM(tree="none", loaded=loaded, max_num_seqs=4).generate(prompts, params)
-    tree = LLM(tree="top8", loaded=loaded, max_num_seqs=4)
+    tree = LLM(tree=spec, loaded=loaded, max_num_seqs=4)
     tree.generate(prompts, params)  # warm the matrix so the walk accepts drafts
     again = tree.generate(prompts, params)
     for a, b in zip(plain, again):

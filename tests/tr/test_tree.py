@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from tr_serve.tr.tree import (
+    DEFAULT_ORDER,
     DEFAULT_TREE,
     TreeTemplateError,
     compile_tree,
@@ -99,7 +100,7 @@ def check_valid_tree(t) -> None:
     assert sorted(t.level_order.tolist()) == list(range(1, n + 1))
 
 
-@pytest.mark.parametrize("template", [SMALL, DEFAULT_TREE], ids=["small", "2.2.2"])
+@pytest.mark.parametrize("template", [SMALL, DEFAULT_TREE, DEFAULT_ORDER], ids=["small", "2.2.2", "measured-order"])
 def test_every_prefix_is_a_valid_tree(template):
     full = compile_tree(template, name="t")
     for n in range(1, full.num_nodes + 1):
@@ -127,10 +128,20 @@ def test_default_template_shape():
     assert len(set(paths)) == 80
 
 
-def test_named_templates_are_prefixes_of_the_default():
+def test_2_2_2_is_the_papers_published_template():
+    """The published file, path for path, in its published (level) order."""
+    from tr_serve.data import PAPER_TREE_2_2_2
+
+    published = [tuple(p) for p in json.loads(PAPER_TREE_2_2_2.read_text())]
+    assert load_template("2.2.2", 8)[1] == published
+    assert [len(p) for p in published] == sorted(len(p) for p in published)
+
+
+def test_named_templates_are_prefixes_of_the_measured_order():
     named = named_templates()
+    assert sorted(DEFAULT_ORDER) == sorted(DEFAULT_TREE)  # the same 80 nodes, another order
     for n in (1, 2, 4, 6, 8, 12, 16, 32):
-        assert named[f"top{n}"] == DEFAULT_TREE[:n]
+        assert named[f"top{n}"] == DEFAULT_ORDER[:n]
         check_valid_tree(compile_tree(load_template(f"top{n}", 8)[1]))
     assert load_template("chain4", 8)[1] == [(0,), (0, 0), (0, 0, 0), (0, 0, 0, 0)]
     chain = compile_tree(named["chain4"])

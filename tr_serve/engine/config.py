@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from tr_serve.tr.tree_spec import is_plain, parse_tree_spec
+
 CPU_KERNEL_MODES = ("auto", "torch")  # measured kernel per token count (runner/cpu_kernels.py), or F.linear
 
 
@@ -43,9 +45,13 @@ class EngineConfig:
             raise ValueError(f"max_prefill_tokens must be >= 1, got {self.max_prefill_tokens}")
         if self.kv_cache_memory_gb is not None and self.kv_cache_memory_gb <= 0:
             raise ValueError(f"kv_cache_memory_gb must be > 0, got {self.kv_cache_memory_gb}")
+        try:
+            parse_tree_spec(self.tree, self.budget)
+        except ValueError as e:
+            raise ValueError(str(e)) from None
         if self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
 
     @property
     def speculative(self) -> bool:
-        return self.tree.lower() not in ("none", "off", "")
+        return not is_plain(self.tree)

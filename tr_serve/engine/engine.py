@@ -22,12 +22,14 @@ from tr_serve.model_loader import LoadedModel
 from tr_serve.runner.cpu_kernels import select_plan
 from tr_serve.runner.model_runner import ModelRunner, rows_within_budget
 from tr_serve.sampling_params import SamplingParams
+from tr_serve.tr.budget import StepLatency
+from tr_serve.tr.draft import DraftBatch
+from tr_serve.tr.drafter import Drafter
 from tr_serve.tr.matrix import AdjacencyMatrix
-from tr_serve.tr.proposer import propose
-from tr_serve.tr.tree import CompiledTree, compile_tree, load_template
-from tr_serve.tr.budget import AcceptanceStats, StepLatency, choose_budget
 from tr_serve.tr.sampling import process_logits, sample_token, walk_tree
-from tr_serve.tr.verifier import accept_greedy
+from tr_serve.tr.tree import compile_tree, load_template
+from tr_serve.tr.tree_spec import parse_tree_spec
+from tr_serve.tr.verifier import accept_draft
 
 _ids = itertools.count()
 
@@ -51,11 +53,12 @@ class Engine:
         self.config = config
         self.tokenizer = loaded.tokenizer
         self.eos_ids = frozenset(loaded.eos_token_ids)
-        self.tree: CompiledTree | None = None
-        if config.speculative:
-            name, paths = load_template(config.tree, config.k)
-            self.tree = compile_tree(paths, name=name)
-        scratch = (self.tree.num_nodes if self.tree else 0) + 1
+        self.spec = parse_tree_spec(config.tree, config.budget)
+        template = None
+        if self.spec.template is not None:
+            name, paths = load_template(self.spec.template, config.k)
+            template = compile_tree(paths, name=name)
+        scratch = (template.num_nodes if template is not None else 0) + (Drafter.context_tokens(self.spec) + 1)
         max_len = config.max_model_len + scratch
         dtype = next(loaded.model.parameters()).dtype
         self.num_rows = rows_within_budget(loaded.model.config, max_len, dtype, config.max_num_seqs,
@@ -65,27 +68,15 @@ class Engine:
         vocab = loaded.model.config.vocab_size
         self.matrix = matrix if matrix is not None else AdjacencyMatrix(vocab, config.k, device=self.runner.device)
         self.timer = timer or PhaseTimer(self.runner.device, enabled=False)
-        # cost-aware budget: verify the best prefix of the template for this batch on this device
-        self.acceptance: AcceptanceStats | None = None
-        self.latency: StepLatency | None = None
-        self._steps = 0
-        # prompt seeding runs the LM head over every prompt position: worth it only while the budget
-        # verifies tree nodes, here at least one per step on average (moving average of the chosen
-        # budgets). Measured at 8 clients, where "auto" mostly settles on plain decoding: seeding
-        # cost 5% of the wall time and the tree earned less.
-        self._mean_budget = float(min(self.tree.num_nodes, 2)) if self.tree is not None else 0.0
-        self._prefixes: dict[int, CompiledTree] = {}
-        if self.tree is not None:
-            self._prefixes[self.tree.num_nodes] = self.tree
-            if config.budget == "auto":
+        self.drafter: Drafter | None = None
+        if not self.spec.plain:
+            latency = None
+            if self.spec.auto_budget:  # cost-aware budget: the step latency measured on this device
                 from tr_serve.runner.calibration import load_or_measure
 
-                self.acceptance = AcceptanceStats(self.tree)
-                max_q = self.num_rows * (self.tree.num_nodes + 1)
-                self.latency = StepLatency(load_or_measure(self.runner, loaded.model_id, max_q))
-                for n in _BUDGET_CANDIDATES:
-                    if n < self.tree.num_nodes:
-                        self._prefixes[n] = _PLAIN if n == 0 else self.tree.prefix(n)
+                max_q = self.num_rows * (scratch + 1)
+                latency = StepLatency(load_or_measure(self.runner, loaded.model_id, max_q))
+            self.drafter = Drafter(self.spec, template, self.matrix, latency)
         self.waiting: deque[Request] = deque()
         self.prefilling: list[Request] = []  # admitted, prompt not yet fully in the KV cache
         self.running: list[Request] = []  # decoding
@@ -146,6 +137,8 @@ class Engine:
         while self.waiting and self.free_rows:
             req = self.waiting.popleft()
             req.row = self.free_rows.pop(0)
+            if self.drafter is not None:
+                req.context = self.drafter.new_context_index()
             self.prefilling.append(req)
 
     def _retire(self, done: list[Request]) -> None:
@@ -172,13 +165,16 @@ class Engine:
             chunks.append(chunk)
             budget -= len(chunk)
         rows = torch.tensor([r.row for r in batch])
-        seeding = self.tree is not None and self.config.prompt_seeding and self._mean_budget >= 1.0
+        # prompt seeding runs the LM head over every prompt position: worth it only while the matrix
+        # drafts at least one verified node per step on average. Measured at 8 clients, where "auto"
+        # mostly settles on plain decoding: seeding cost 5% of the wall time and the tree earned less.
+        seeding = (self.spec.uses_matrix and self.config.prompt_seeding and self.drafter.mean_nodes >= 1.0)
         with self.timer.phase("forward"):
             last_logits, every = self.runner.prefill(rows, chunks, all_positions=seeding)
         done = []
         for i, (req, chunk) in enumerate(zip(batch, chunks)):
             req.num_prefilled += len(chunk)
-            if self.tree is not None:
+            if self.spec.uses_matrix:
                 with self.timer.phase("recycle"):
                     if seeding:
                         self.matrix.recycle(torch.tensor(chunk), every[i])
@@ -199,47 +195,51 @@ class Engine:
             return int(logits.argmax())
         return sample_token(process_logits(logits.cpu(), p.temperature, p.top_k, p.top_p), req.generator)
 
-    def _choose_tree(self, rows: int) -> CompiledTree:
-        if self.tree is None:
-            return _PLAIN
-        if self.acceptance is None:
-            return self.tree
-        self._steps += 1
-        explore = self._steps % _EXPLORE_EVERY == 0
-        n = choose_budget(self.acceptance.rates, self.latency, rows, tuple(self._prefixes), explore)
-        if not explore:
-            self._mean_budget += 0.1 * (n - self._mean_budget)
-        return self._prefixes[n]
+    def _draft(self, batch: list[Request]) -> DraftBatch:
+        roots = torch.tensor([r.last_token for r in batch])
+        if self.drafter is None:
+            return Drafter.plain(roots)
+        contexts, room = None, None
+        if self.spec.context:
+            contexts = [self._synced_context(r) for r in batch]
+            room = [min(r.params.max_tokens - len(r.output_ids),
+                        self.config.max_model_len - len(r.prompt_ids) - len(r.output_ids)) for r in batch]
+        return self.drafter.draft(roots, contexts, room)
+
+    @staticmethod
+    def _synced_context(req: Request):
+        """The request's context index, caught up with its prompt and output."""
+        ctx = req.context
+        done, p = len(ctx), len(req.prompt_ids)
+        if done < p:
+            ctx.extend(req.prompt_ids[done:])
+            done = p
+        ctx.extend(req.output_ids[done - p :])
+        return ctx
 
     def _decode(self, batch: list[Request]) -> None:
         rows = torch.tensor([r.row for r in batch])
-        roots = torch.tensor([r.last_token for r in batch])
         with self.timer.phase("propose"):
-            tree = self._choose_tree(len(batch))
-            # the stats observe nodes whose parent was verified: draft one level past the verified prefix
-            depth = None if self.acceptance is None else tree.max_depth + 1
-            full_draft = propose(self.matrix, roots, self.tree, depth) if self.tree is not None else roots[:, None]
-            draft = full_draft[:, : tree.num_nodes + 1]  # parents precede children: a prefix is a tree
+            draft = self._draft(batch)
         t0 = time.perf_counter()
         with self.timer.phase("forward"):
-            logits = self.runner.verify(rows, draft, tree.depths, tree.mask)
+            logits = self.runner.verify(rows, draft.tokens, draft.depths, draft.mask)
         with self.timer.phase("accept"):
-            acceptance = accept_greedy(draft, logits, tree)  # reads logits: the forward has finished
-            if self.latency is not None and self.config.online_latency:
-                self.latency.observe(len(batch), tree.num_nodes, time.perf_counter() - t0)
+            acceptance = accept_draft(draft, logits.argmax(dim=-1))  # reads logits: the forward has finished
+            seconds = time.perf_counter() - t0 if self.config.online_latency else None
             accepted, emitted = acceptance.accepted_nodes, acceptance.emitted
             for i, req in enumerate(batch):
                 p = req.params
                 if not p.greedy:
-                    accepted[i], emitted[i] = walk_tree(draft[i], logits[i], tree, p.temperature, p.top_k, p.top_p,
-                                                        req.generator)
-            if self.acceptance is not None:
-                self.acceptance.update(full_draft, acceptance.choices)
+                    accepted[i], emitted[i] = walk_tree(draft.tokens[i], logits[i], draft.children(i), p.temperature,
+                                                        p.top_k, p.top_p, req.generator)
+            if self.drafter is not None:
+                self.drafter.observe(draft, acceptance, seconds)
         with self.timer.phase("compact"):
             self.runner.compact(rows, accepted)
-        if self.tree is not None:
+        if self.spec.uses_matrix:
             with self.timer.phase("recycle"):
-                self.matrix.recycle(draft, logits)
+                self.matrix.recycle(draft.tokens, logits)
         with self.timer.phase("postprocess"):
             for req, out in zip(batch, emitted):
                 kept = 0  # tokens of this step that made it into the output (a stop cuts the rest)
@@ -249,13 +249,9 @@ class Engine:
                         break
                 req.stats.accepted_per_step.append(kept)
                 req.stats.dropped_at_stop = len(out) - kept
-                req.stats.tree_nodes_per_step.append(tree.num_nodes)
+                req.stats.tree_nodes_per_step.append(draft.num_nodes)
 
     def _context_full(self, req: Request) -> bool:
         # called before the token is appended: True when that token is the last one that fits
         return len(req.prompt_ids) + len(req.output_ids) + 1 >= self.config.max_model_len
 
-
-_PLAIN = compile_tree([], name="none")
-_BUDGET_CANDIDATES = (0, 1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
-_EXPLORE_EVERY = 16  # every 16th step verifies the runner-up budget, to keep its latency measured

@@ -9,6 +9,7 @@ import torch
 
 from tr_serve.engine.detokenizer import IncrementalDetokenizer
 from tr_serve.sampling_params import SamplingParams
+from tr_serve.tr.context_index import ContextIndex
 
 
 class FinishReason(str, Enum):
@@ -62,6 +63,7 @@ class Request:
     finish_reason: FinishReason | None = None
     text: str = ""  # output text, cut at a stop string
     generator: torch.Generator | None = None  # per-request RNG of a sampled request
+    context: ContextIndex | None = None  # prompt + output index of the context branch (tr/context_index.py)
     _sent_chars: int = 0
     _sent_tokens: int = 0
 

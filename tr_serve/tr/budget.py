@@ -53,30 +53,72 @@ class AcceptanceStats:
             p[idx] = p[self._parents[idx]] * q[idx - 1]
         return p[1:]
 
-    def update(self, draft: torch.Tensor, choice: torch.Tensor) -> None:
+    def update(self, draft: torch.Tensor, choice: torch.Tensor, verified: torch.Tensor | None = None) -> None:
         """draft [b, N+1] drafted tokens of the full template; choice [b, v] the model's token after
-        each of the first ``v`` inputs (the root and the verified prefix of the template)."""
+        each of the first ``v`` inputs (the root and a verified prefix of the template), or, with
+        ``verified`` [N+1] bool, choice [b, N+1] holding the model's token after every verified node
+        (the root always is)."""
         tree = self.tree
         n = tree.num_nodes
         b = draft.shape[0]
+        choice, draft = choice.cpu(), draft.cpu()
+        if verified is None:
+            v = choice.shape[1]
+            verified = torch.arange(n + 1) < v
+            choice = torch.cat([choice, choice.new_zeros(b, n + 1 - v)], dim=1)
+        verified = verified.cpu()
         ok = torch.zeros(b, n + 1, dtype=torch.bool)  # the node's whole path was accepted
         observed = torch.zeros(b, n + 1, dtype=torch.bool)  # the node was compared with the model's choice
         ok[:, 0] = True
-        v = choice.shape[1]
-        choice, draft = choice.cpu(), draft.cpu()
         for lo, hi in tree.level_slices:
             idx = tree.level_order[lo:hi]  # [m]
             par = self._parents[idx]
-            if not bool((par < v).any()):
+            known = verified[par]
+            if not bool(known.any()):
                 break  # no parent on this level was verified, so none deeper was either
-            seen = ok[:, par] & (par < v)  # parent accepted and the model's token after it is known
-            correct = draft[:, idx] == choice[:, par.clamp(max=v - 1)]
+            seen = ok[:, par] & known  # parent accepted and the model's token after it is known
+            correct = draft[:, idx] == choice[:, par]
             observed[:, idx] = seen
             ok[:, idx] = seen & correct
         self.hits *= self.decay
         self.trials *= self.decay
         self.hits += ok[:, 1:].double().sum(0)
         self.trials += observed[:, 1:].double().sum(0)
+
+
+class ContextStats:
+    """Acceptance of context-branch tokens by match length and offset in the branch: decayed
+    counts of "the j-th retrieved token was the model's choice, given the ones before it were"
+    (conditional, observed only when its parent's path was accepted, as for the template)."""
+
+    BUCKETS = (2, 3, 4, 6)  # match lengths 2, 3, 4-5, 6+ (a match of 1 token is the matrix's job)
+
+    def __init__(self, max_tokens: int, decay: float = 0.995, prior: float = 0.5, prior_weight: float = 2.0):
+        self.max_tokens = max_tokens
+        self.decay = decay
+        nb = len(self.BUCKETS)
+        self.hits = torch.full((nb, max_tokens), prior * prior_weight, dtype=torch.float64)
+        self.trials = torch.full((nb, max_tokens), prior_weight, dtype=torch.float64)
+
+    def bucket(self, match_length: int) -> int:
+        return max(0, bisect.bisect_right(self.BUCKETS, match_length) - 1)
+
+    def path_rates(self, match_length: int) -> list[float]:
+        """p_j: probability that the first j+1 retrieved tokens are all accepted."""
+        q = self.hits[self.bucket(match_length)] / self.trials[self.bucket(match_length)].clamp(min=1e-12)
+        return torch.cumprod(q, 0).tolist()
+
+    def update(self, outcomes: list[tuple[int, list[bool], list[bool]]]) -> None:
+        """Per row (match length, observed per offset, accepted per offset)."""
+        self.hits *= self.decay
+        self.trials *= self.decay
+        for match_length, observed, accepted in outcomes:
+            row = self.bucket(match_length)
+            for j, (seen, ok) in enumerate(zip(observed, accepted)):
+                if not seen or j >= self.max_tokens:
+                    break
+                self.trials[row, j] += 1.0
+                self.hits[row, j] += float(ok)
 
 
 @dataclass(frozen=True)
@@ -131,3 +173,44 @@ def choose_budget(rates: torch.Tensor, latency: StepLatency, rows: int, candidat
     With ``explore``, the runner-up instead, so the latency of the alternatives stays measured."""
     ranked = sorted(candidates, key=lambda n: (expected_rate(rates, latency, rows, n), -n), reverse=True)
     return ranked[1] if explore and len(ranked) > 1 else ranked[0]
+
+
+def _cumulative(values) -> list[float]:
+    out = [0.0]
+    for v in values:
+        out.append(out[-1] + float(v))
+    return out
+
+
+def choose_plan(template_rates: list[float], chains: list[tuple[list[int], list[float]]], latency: StepLatency,
+                node_candidates: tuple[int, ...], chain_caps: tuple[int, ...], explore: bool = False) -> tuple[int, int]:
+    """The (template nodes n, context-branch cap L) with the highest expected tokens per second.
+
+    template_rates: path rates of the template nodes in the order they are added (so the first n
+    are verified). chains[r]: (for each retrieved token of row r, the position in that order of
+    the template node it merges into, or a large number; the token's path rate). The first tokens
+    that merge into verified template nodes cost nothing; the rest, at most L of them, are extra
+    nodes of that row. The step costs one forward over rows x (1 + n + the longest row's extra
+    nodes): padding included, so a long branch in one row is paid for by every row.
+    With ``explore``, the runner-up instead (its latency keeps being measured)."""
+    rows = max(1, len(chains))
+    cum_t = _cumulative(template_rates)
+    cum_c = [_cumulative(rates) for _, rates in chains]
+    scored = []
+    for n in node_candidates:
+        merged = []
+        for merge_pos, _ in chains:
+            m = 0
+            while m < len(merge_pos) and merge_pos[m] < n:
+                m += 1
+            merged.append(m)
+        for cap in chain_caps:
+            extra = [min(cap, len(rates) - m) for (_, rates), m in zip(chains, merged)]
+            width = n + max(extra, default=0)
+            gain = rows * cum_t[n] + sum(c[m + e] - c[m] for c, m, e in zip(cum_c, merged, extra))
+            scored.append(((rows + gain) / latency(rows, width), -width, n, cap))
+            if not any(len(r) > m for (_, r), m in zip(chains, merged)):
+                break  # no row has a token left to add: larger caps are the same plan
+    scored.sort(reverse=True)
+    pick = scored[1] if explore and len(scored) > 1 else scored[0]
+    return pick[2], pick[3]

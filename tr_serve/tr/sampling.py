@@ -35,16 +35,18 @@ def sample_token(probs: torch.Tensor, generator: torch.Generator | None) -> int:
     return int(torch.multinomial(probs, 1, generator=generator))
 
 
-def walk_tree(draft: torch.Tensor, logits: torch.Tensor, tree: CompiledTree, temperature: float, top_k: int,
-              top_p: float, generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """One row: draft [n+1] tokens, logits [n+1, V]. Returns (accepted node indices with the root
-    first, emitted tokens: one draw per accepted node)."""
+def walk_tree(draft: torch.Tensor, logits: torch.Tensor, tree: CompiledTree | list[list[int]], temperature: float,
+              top_k: int, top_p: float, generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """One row: draft [n+1] tokens, logits [n+1, V], and the tree (or its children lists,
+    ``children[i]`` = nodes under node i). Returns (accepted node indices with the root first,
+    emitted tokens: one draw per accepted node)."""
+    children = tree.children if isinstance(tree, CompiledTree) else tree
     node, nodes, emitted = 0, [0], []
     draft_list = draft.tolist()
     while True:
         token = sample_token(process_logits(logits[node], temperature, top_k, top_p), generator)
         emitted.append(token)
-        child = next((c for c in tree.children[node] if draft_list[c] == token), None)
+        child = next((c for c in children[node] if draft_list[c] == token), None)
         if child is None:
             return torch.tensor(nodes), torch.tensor(emitted)
         node = child

@@ -17,10 +17,10 @@ import torch
 
 Path_ = tuple[int, ...]
 
-# Children per parent, level by level, of the default 80-node template. It has the level profile of
-# the Token Recycling paper's tree (8/21/25/15/8/3 nodes, depth 6): the rank-0 ("best") child of
-# each node gets the deepest and widest sub-tree, lower ranks get shallower ones.
-_DEFAULT_CHILDREN: dict[Path_, int] = {
+# Children per parent of an 80-node tree reconstructed before the paper's template was published:
+# the paper's level profile (8/21/25/15/8/3 nodes, depth 6), but 13 of its 80 paths differ. Kept as
+# "2.2.2-recon" for comparison only (see the README's figures).
+_RECON_CHILDREN: dict[Path_, int] = {
     (): 8,
     (0,): 8, (1,): 5, (2,): 3, (3,): 2, (4,): 1, (5,): 1, (6,): 1,
     (0, 0): 8, (0, 1): 4, (0, 2): 2, (0, 3): 1, (1, 0): 4, (1, 1): 2, (2, 0): 2, (2, 1): 1, (3, 0): 1,
@@ -29,8 +29,8 @@ _DEFAULT_CHILDREN: dict[Path_, int] = {
     (0, 0, 0, 0, 0): 2, (0, 0, 0, 0, 1): 1,
 }
 
-# Prior probability that the rank-r candidate is the model's choice; only used to order nodes so
-# that every prefix of the template is a good small tree. Acceptance statistics refine it online.
+# Prior probability that the rank-r candidate is the model's choice: the starting point of the
+# online acceptance estimates (tr/budget.py), and the order of a template with no measured order.
 _RANK_PRIOR = (0.55, 0.15, 0.08, 0.05, 0.04, 0.03, 0.02, 0.02)
 
 
@@ -60,16 +60,55 @@ def order_by_prior(paths: Sequence[Sequence[int]]) -> list[Path_]:
     return sorted((tuple(p) for p in paths), key=lambda p: (-path_prior(p), len(p), p))
 
 
-DEFAULT_TREE = order_by_prior(_expand(_DEFAULT_CHILDREN))
+def order_by_rates(paths: Sequence[Sequence[int]], rates: Sequence[float]) -> list[Path_]:
+    """Paths by descending path-acceptance rate (ties: shallower first, then template order). A
+    node's path rate never exceeds its parent's, so every prefix of the result is a tree."""
+    keyed = sorted(range(len(paths)), key=lambda i: (-rates[i], len(paths[i]), i))
+    out = [tuple(paths[i]) for i in keyed]
+    seen: set[Path_] = set()
+    for p in out:  # a parent with an equal rate and depth ordering guarantees this; check anyway
+        if len(p) > 1 and p[:-1] not in seen:
+            raise ValueError(f"rates order path {list(p)} before its parent")
+        seen.add(p)
+    return out
+
+
+def _load_paper_tree() -> list[Path_]:
+    from tr_serve.data import PAPER_TREE_2_2_2
+
+    return [tuple(p) for p in json.loads(PAPER_TREE_2_2_2.read_text())]
+
+
+def _load_measured_order(template: list[Path_]) -> list[Path_]:
+    """The template ordered by acceptance measured on the dev questions
+    (``tr_serve/data/tree-order-2.2.2.json``, written by ``scripts/measure_tree_order.py``); the
+    prior order if the file is absent."""
+    from tr_serve.data import PAPER_TREE_2_2_2_ORDER
+
+    if not PAPER_TREE_2_2_2_ORDER.exists():
+        return order_by_prior(template)
+    order = [tuple(p) for p in json.loads(PAPER_TREE_2_2_2_ORDER.read_text())["order"]]
+    if sorted(order) != sorted(template):
+        raise ValueError(f"{PAPER_TREE_2_2_2_ORDER} does not list the paths of the 2.2.2 template")
+    return order
+
+
+# The paper's exact 80-node template, in its published level order.
+DEFAULT_TREE = _load_paper_tree()
 assert len(DEFAULT_TREE) == 80
+# The same nodes by measured acceptance: its prefixes are the best small trees (``topN``).
+DEFAULT_ORDER = _load_measured_order(DEFAULT_TREE)
+RECON_TREE = order_by_prior(_expand(_RECON_CHILDREN))
 
 
 def named_templates() -> dict[str, list[Path_]]:
-    """Built-in templates: the 80-node default and its best ``n``-node prefixes."""
+    """Built-in templates: the paper's 80-node ``2.2.2``, its best ``n``-node subsets by measured
+    acceptance (``topN``), a chain, and the earlier reconstruction."""
     out = {"2.2.2": DEFAULT_TREE}
     for n in (1, 2, 4, 6, 8, 12, 16, 32):
-        out[f"top{n}"] = DEFAULT_TREE[:n]
+        out[f"top{n}"] = DEFAULT_ORDER[:n]
     out["chain4"] = [(0,), (0, 0), (0, 0, 0), (0, 0, 0, 0)]
+    out["2.2.2-recon"] = RECON_TREE
     return out
 
 

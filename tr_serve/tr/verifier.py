@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
+from tr_serve.tr.draft import DraftBatch, build_draft
 from tr_serve.tr.tree import CompiledTree
 
 
@@ -19,7 +20,8 @@ class Acceptance:
 
     accepted_nodes: list[torch.Tensor]
     emitted: list[torch.Tensor]
-    choices: torch.Tensor  # [b, n+1] the model's token after every input (argmax or sample)
+    choices: torch.Tensor  # [b, q] the model's argmax token after every input
+    accepted_mask: torch.Tensor | None = None  # [b, q] nodes whose whole path equals the argmax choices
 
     @property
     def num_accepted_drafts(self) -> list[int]:
@@ -47,17 +49,45 @@ def longest_accepted_path(draft: torch.Tensor, choice: torch.Tensor, tree: Compi
 
 
 def accept_greedy(draft: torch.Tensor, logits: torch.Tensor, tree: CompiledTree) -> Acceptance:
-    """Greedy verification. logits: [b, n+1, V] the model's logits at every tree input."""
-    choice = logits.argmax(dim=-1)  # [b, n+1]
-    return accept_choices(draft, choice, tree)
+    """Greedy verification of one tree for every row. logits: [b, n+1, V] at every tree input."""
+    return accept_choices(draft, logits.argmax(dim=-1), tree)
 
 
 def accept_choices(draft: torch.Tensor, choice: torch.Tensor, tree: CompiledTree) -> Acceptance:
-    best, length = longest_accepted_path(draft, choice, tree)
+    return accept_draft(build_draft(draft.cpu(), tree, torch.arange(1, tree.num_nodes + 1)), choice)
+
+
+def accepted_mask(batch: DraftBatch, choice: torch.Tensor) -> torch.Tensor:
+    """[b, q] True where the node's whole path from the root equals the model's choices.
+
+    choice: [b, q] the model's token after every input. A node is right when its token is the
+    choice after its parent; it is accepted when it and every ancestor are right. Padding and
+    EMPTY nodes never are."""
+    parents = batch.parents.clamp(min=0)
+    correct = batch.tokens == choice.gather(1, parents)  # [b, q]
+    correct[:, 0] = True
+    ok = correct
+    for _ in range(batch.max_depth):  # after d rounds every node of depth <= d is resolved
+        ok = correct & ok.gather(1, parents)
+    return ok
+
+
+def accept_draft(batch: DraftBatch, choice: torch.Tensor) -> Acceptance:
+    """Per row, the deepest accepted node's path (siblings hold distinct tokens, so the accepted
+    nodes form one chain), then the model's token after it: the bonus."""
+    choice = choice.cpu()
+    ok = accepted_mask(batch, choice)
+    score = torch.where(ok, batch.row_depths(), torch.full_like(ok, -1, dtype=torch.long))
+    best = score.argmax(dim=1).tolist()
+    parents = batch.parents.tolist()
+    tokens = batch.tokens.tolist()
+    choice_rows = choice.tolist()
     accepted, emitted = [], []
-    for r in range(draft.shape[0]):
-        n = int(length[r])
-        nodes = torch.cat([torch.zeros(1, dtype=torch.long), tree.paths[int(best[r]), :n].cpu()])
-        accepted.append(nodes)
-        emitted.append(torch.cat([draft[r, nodes[1:]].cpu(), choice[r, nodes[-1:]].cpu()]))
-    return Acceptance(accepted, emitted, choice)
+    for r, node in enumerate(best):
+        path = [node]
+        while path[-1] != 0:
+            path.append(parents[r][path[-1]])
+        path.reverse()
+        accepted.append(torch.tensor(path))
+        emitted.append(torch.tensor([tokens[r][i] for i in path[1:]] + [choice_rows[r][node]]))
+    return Acceptance(accepted, emitted, choice, ok)

@@ -1,0 +1,99 @@
+"""Per-row draft trees: the context branch merged into the template, masks, positions, acceptance."""
+
+from __future__ import annotations
+
+import random
+
+import torch
+
+from tr_serve.tr.draft import build_draft
+from tr_serve.tr.matrix import EMPTY
+from tr_serve.tr.tree import compile_tree
+from tr_serve.tr.verifier import accept_draft
+
+# node 1 = (0), 2 = (1), 3 = (0,0), 4 = (0,1), 5 = (0,0,0)
+SMALL = compile_tree([[0], [1], [0, 0], [0, 1], [0, 0, 0]])
+NODES = torch.arange(1, 6)
+# root 1, then a=2 (0), b=3 (1), c=4 (0,0), d=5 (0,1), e=6 (0,0,0)
+DRAFT = torch.tensor([[1, 2, 3, 4, 5, 6], [1, 2, 3, 4, 5, 6]])
+
+
+def ancestors_or_self(parents: list[int], i: int) -> set[int]:
+    out = {i}
+    while parents[i] >= 0:
+        i = parents[i]
+        out.add(i)
+    return out
+
+
+def test_without_branches_every_row_shares_the_template():
+    batch = build_draft(DRAFT, SMALL, NODES)
+    assert batch.depths.dim() == 1 and torch.equal(batch.mask, SMALL.mask)
+    assert batch.num_nodes == 5 and batch.chain_columns == ((), ())
+
+
+def test_branch_reuses_template_nodes_then_grows_one_chain():
+    # row 0: a, c (template nodes 1, 3), then 40, 41 are new; row 1: b (node 2) then 50; row 2-like padding
+    batch = build_draft(DRAFT, SMALL, NODES, chains=[[2, 4, 40, 41], [3, 50]], match_lengths=[3, 2])
+    assert batch.num_nodes == 7  # 5 template nodes + the longest new part (2)
+    assert batch.tokens.tolist() == [[1, 2, 3, 4, 5, 6, 40, 41], [1, 2, 3, 4, 5, 6, 50, EMPTY]]
+    assert batch.parents.tolist() == [[-1, 0, 0, 1, 1, 3, 3, 6], [-1, 0, 0, 1, 1, 3, 2, 0]]
+    assert batch.depths.tolist() == [[0, 1, 1, 2, 2, 3, 3, 4], [0, 1, 1, 2, 2, 3, 2, 1]]
+    assert batch.chain_columns == ((1, 3, 6, 7), (2, 6))
+    assert batch.max_depth == 4
+    for r in range(2):
+        parents = batch.parents[r].tolist()
+        for i in range(8):
+            seen = set(batch.mask[r, i].nonzero().flatten().tolist())
+            if batch.tokens[r, i] == EMPTY:
+                assert seen == {0, i}  # padding sees the root and itself
+            else:
+                assert seen == ancestors_or_self(parents, i)
+
+
+def test_a_branch_deeper_than_the_template_is_accepted_whole():
+    batch = build_draft(DRAFT, SMALL, NODES, chains=[[2, 4, 40, 41], [3, 50]], match_lengths=[3, 2])
+    # row 0: the model says a, c, 40, 41, then 99; row 1: b, then 7 (not 50)
+    choice = torch.zeros(2, 8, dtype=torch.long)
+    choice[0, [0, 1, 3, 6, 7]] = torch.tensor([2, 4, 40, 41, 99])
+    choice[1, [0, 2, 6]] = torch.tensor([3, 7, 8])
+    acc = accept_draft(batch, choice)
+    assert acc.accepted_nodes[0].tolist() == [0, 1, 3, 6, 7]
+    assert acc.emitted[0].tolist() == [2, 4, 40, 41, 99]
+    assert acc.accepted_nodes[1].tolist() == [0, 2]
+    assert acc.emitted[1].tolist() == [3, 7]
+
+
+def greedy_walk(tokens: list[int], parents: list[int], choice: list[int]) -> list[int]:
+    node, path = 0, [0]
+    while True:
+        nxt = [c for c in range(1, len(tokens)) if parents[c] == node and tokens[c] == choice[node]]
+        if not nxt:
+            return path
+        node = nxt[0]
+        path.append(node)
+
+
+def test_acceptance_equals_a_greedy_walk_on_random_trees_and_branches():
+    rng = random.Random(0)
+    gen = torch.Generator().manual_seed(0)
+    paths = [[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0], [0, 0, 1], [0, 0, 0, 0]]
+    tree = compile_tree(paths)
+    for _ in range(200):
+        b, vocab = 3, 6
+        # siblings hold distinct tokens, as a matrix row's top-k does
+        draft = torch.full((b, tree.num_nodes + 1), EMPTY, dtype=torch.long)
+        draft[:, 0] = torch.randint(vocab, (b,), generator=gen)
+        for r in range(b):
+            for parent, kids in enumerate(tree.children):
+                toks = rng.sample(range(vocab), len(kids))
+                for c, t in zip(kids, toks):
+                    draft[r, c] = t if rng.random() > 0.1 else EMPTY
+        chains = [[rng.randrange(vocab) for _ in range(rng.randint(0, 7))] for _ in range(b)]
+        batch = build_draft(draft, tree, torch.arange(1, tree.num_nodes + 1), chains, [2] * b)
+        choice = torch.randint(vocab, batch.tokens.shape, generator=gen)
+        acc = accept_draft(batch, choice)
+        for r in range(b):
+            walk = greedy_walk(batch.tokens[r].tolist(), batch.parents[r].tolist(), choice[r].tolist())
+            assert acc.accepted_nodes[r].tolist() == walk
+            assert acc.emitted[r].tolist() == [int(batch.tokens[r, i]) for i in walk[1:]] + [int(choice[r, walk[-1]])]
