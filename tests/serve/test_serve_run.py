@@ -1,65 +1,135 @@
-"""``serve run configs/smollm2-cpu.yaml`` as a user runs it: up, one chat answer, Ctrl-C, clean exit.
+"""``make run`` as a user runs it: ``tr-serve run configs/smollm2-cpu.yaml`` up, one chat answer,
+every listening socket of the local Ray on loopback or behind Ray's token, then SIGTERM (what
+Kubernetes sends; Ctrl-C takes the same path) with two streams in flight: both end with
+``data: [DONE]`` (after their text, or after an in-band error event once the drain timeout has
+passed), new requests get a fast 503 meanwhile, and the process exits 0.
 
-The config is copied with a free port so the test never collides with something on 8000."""
+The config is copied with a free port so the test never collides with something on 8000; the Ray
+token goes to a temporary file, not ``~/.ray``."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
+import stat
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
+import grpc
 import httpx
 import openai
+import psutil
 import yaml
 
 from serve_testutil import free_port, subprocess_env
 
 ROOT = Path(__file__).resolve().parents[2]
-START_TIMEOUT_S = 180
-EXIT_TIMEOUT_S = 150  # ~8 s on a quiet machine; generous for a loaded 2-core CI box
+START_TIMEOUT_S = 240
+DRAIN_TIMEOUT_S = 20
+EXIT_TIMEOUT_S = DRAIN_TIMEOUT_S + 120  # drain, then Serve and Ray shutdown on a loaded 2-core box
+MODEL = "smollm2-135m-instruct"
+LOOPBACK = ("127.", "::ffff:127.", "::1")
 
 
-def test_serve_run_cpu_config(tmp_path):
+def test_make_run_target_is_tr_serve_run():
+    recipe = (ROOT / "Makefile").read_text().split("\nrun:", 1)[1].split("\n\n", 1)[0]
+    assert "tr-serve run configs/smollm2-cpu.yaml" in recipe
+    assert "RAY_AUTH_MODE=disabled" not in recipe
+
+
+def test_tr_serve_run_loopback_token_auth_and_graceful_sigterm(tmp_path):
     config = yaml.safe_load((ROOT / "configs" / "smollm2-cpu.yaml").read_text())
     port = free_port()
     config["http_options"]["port"] = port
     path = tmp_path / "smollm2-cpu.yaml"
     path.write_text(yaml.safe_dump(config, sort_keys=False))
-    serve_bin = Path(sys.executable).parent / "serve"
-    log = (tmp_path / "serve-run.log").open("w+b")
+    token_file = tmp_path / "ray" / "auth_token"
+    env = subprocess_env(RAY_AUTH_TOKEN_PATH=str(token_file))
+    for name in ("RAY_AUTH_MODE", "RAY_ADDRESS", "RAY_AUTH_TOKEN", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"):
+        env.pop(name, None)  # what a user's shell has: tr-serve run sets them itself
+    log = (tmp_path / "tr-serve-run.log").open("w+b")
     t0 = time.monotonic()
-    # a child inherits an ignored SIGINT (earlier in-process Ray tests may leave it ignored), and a
-    # Python started with SIGINT ignored never raises KeyboardInterrupt: restore the default for Ctrl-C
-    proc = subprocess.Popen([str(serve_bin), "run", str(path)], cwd=ROOT, env=subprocess_env(),
-                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+    # a child inherits an ignored SIGINT (earlier in-process Ray tests may leave it ignored)
+    proc = subprocess.Popen([str(Path(sys.executable).parent / "tr-serve"), "run", str(path), "--no-dashboard",
+                             "--drain-timeout", str(DRAIN_TIMEOUT_S)], cwd=ROOT, env=env, stdout=log,
+                            stderr=subprocess.STDOUT, start_new_session=True,
                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     base = f"http://127.0.0.1:{port}"
     try:
-        while True:
-            assert proc.poll() is None, f"serve run exited early ({proc.returncode}):\n{_tail(log)}"
+        while True:  # /health is 200 once the model replica answers the ingress's probe
+            assert proc.poll() is None, f"tr-serve run exited early ({proc.returncode}):\n{_tail(log)}"
             try:
-                if httpx.get(base + "/v1/models", timeout=5).status_code == 200:
+                if httpx.get(base + "/health", timeout=5).status_code == 200:
                     break
             except httpx.HTTPError:
                 pass
             assert time.monotonic() - t0 < START_TIMEOUT_S, f"no answer on {base}:\n{_tail(log)}"
             time.sleep(0.5)
         client = openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=120)
-        reply = client.chat.completions.create(model="smollm2-135m-instruct", temperature=0, max_tokens=16,
+        reply = client.chat.completions.create(model=MODEL, temperature=0, max_tokens=16,
                                                messages=[{"role": "user", "content": "Say hello."}])
-        first_answer_s = time.monotonic() - t0
         assert reply.choices[0].message.content
-        print(f"\nserve run -> first answered chat request: {first_answer_s:.1f} s")
+        print(f"\ntr-serve run -> first answered chat request: {time.monotonic() - t0:.1f} s")
 
-        proc.send_signal(signal.SIGINT)  # Ctrl-C: serve run shuts Serve down and exits
-        try:
-            rc = proc.wait(timeout=EXIT_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            raise AssertionError(f"serve run did not exit within {EXIT_TIMEOUT_S} s of SIGINT:\n{_tail(log)}")
-        assert rc == 0, f"serve run exited with {rc}:\n{_tail(log)}"
+        # the token file: generated on first run, owner-only
+        assert stat.S_IMODE(token_file.stat().st_mode) == 0o600
+        token = token_file.read_text().strip()
+        assert len(token) >= 32
+        _check_listeners(proc.pid, token)
+
+        streams = {"short": 40, "long": 1500}
+        events: dict[str, list[str]] = {k: [] for k in streams}
+        errors: dict[str, BaseException] = {}
+        started = threading.Barrier(len(streams) + 1, timeout=180)
+
+        def stream(tag: str, max_tokens: int) -> None:
+            body = {"model": MODEL, "messages": [{"role": "user", "content": "Tell a long story about a ship."}],
+                    "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "stream": True}
+            try:
+                with httpx.stream("POST", base + "/v1/chat/completions", json=body, timeout=300) as r:
+                    assert r.status_code == 200, r.read()
+                    for line in r.iter_lines():
+                        if line.startswith("data: "):
+                            events[tag].append(line[len("data: "):])
+                            if len(events[tag]) == 3:
+                                started.wait()
+            except BaseException as e:  # noqa: BLE001 - reported below
+                errors[tag] = e
+                started.abort()
+
+        threads = [threading.Thread(target=stream, args=item) for item in streams.items()]
+        for t in threads:
+            t.start()
+        started.wait()  # both streams have text
+        sigterm_at = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        time.sleep(1.0)
+        t = time.monotonic()
+        refused = httpx.post(base + "/v1/chat/completions", timeout=30,
+                             json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}]})
+        assert refused.status_code == 503 and time.monotonic() - t < 5, refused.text
+        assert refused.json()["error"]["code"] == "shutting_down" and "retry-after" in refused.headers
+        for t in threads:
+            t.join(timeout=DRAIN_TIMEOUT_S + 60)
+        assert not errors, errors
+        for tag, evs in events.items():
+            assert evs and evs[-1] == "[DONE]", (tag, evs[-3:])
+            chunks = [json.loads(e) for e in evs[:-1]]
+            text = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c.get("choices"))
+            assert text, tag
+            last = chunks[-1]
+            finished = bool(last.get("choices")) and last["choices"][0]["finish_reason"] == "length"
+            cut = "error" in last and last["error"]["code"] == "shutting_down"
+            assert finished or cut, (tag, last)
+        assert "error" in json.loads(events["long"][-2]), "1500 tokens cannot finish within the drain timeout"
+        rc = proc.wait(timeout=EXIT_TIMEOUT_S)
+        print(f"tr-serve run exited {time.monotonic() - sigterm_at:.1f} s after SIGTERM")
+        assert rc == 0, f"tr-serve run exited with {rc}:\n{_tail(log)}"
+        assert "drained in" in _tail(log), _tail(log)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
@@ -70,6 +140,40 @@ def test_serve_run_cpu_config(tmp_path):
             except ProcessLookupError:
                 pass
         log.close()
+
+
+def _session_pids(root_pid: int) -> set[int]:
+    """The launcher and every process of its session (Ray's processes included)."""
+    pids = {root_pid}
+    for p in psutil.process_iter():
+        try:
+            if os.getsid(p.pid) == root_pid:
+                pids.add(p.pid)
+        except (ProcessLookupError, PermissionError):
+            pass
+    return pids
+
+
+def _check_listeners(root_pid: int, token: str) -> None:
+    """Every TCP listener of the local cluster is on loopback, or refuses a call without the token
+    (Serve's inter-deployment gRPC server binds [::] whatever Ray's node address is)."""
+    pids = _session_pids(root_pid)
+    listeners = [c for c in psutil.net_connections(kind="inet")
+                 if c.status == psutil.CONN_LISTEN and c.pid in pids]
+    assert len(listeners) >= 5, listeners  # GCS, raylet, workers, proxy, ...
+    outside = [c for c in listeners if not c.laddr.ip.startswith(LOOPBACK)]
+    for c in outside:
+        name = psutil.Process(c.pid).name()
+        assert "ServeReplica" in name, f"{name} listens on {c.laddr.ip}:{c.laddr.port}"
+        method = "/ray.serve.ASGIService/HandleRequest"
+        with grpc.insecure_channel(f"127.0.0.1:{c.laddr.port}") as channel:
+            for metadata, expect_refused in ((None, True), ((("authorization", f"Bearer {token}"),), False)):
+                try:
+                    channel.unary_unary(method)(b"", timeout=10, metadata=metadata)
+                    code = grpc.StatusCode.OK
+                except grpc.RpcError as e:
+                    code = e.code()
+                assert (code == grpc.StatusCode.UNAUTHENTICATED) == expect_refused, (name, c.laddr, code)
 
 
 def _tail(log, n: int = 6000) -> str:

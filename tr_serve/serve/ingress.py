@@ -265,6 +265,7 @@ class OpenAIIngress:
         self._timeouts: set = set()  # asyncio.Timeout of every await on a model replica
         self._monitor: asyncio.Task | None = None
         self._probe_now = asyncio.Event()
+        self._probed = asyncio.Event()  # set once the first probe round is done
 
     def __serve_build_asgi_app__(self) -> FastAPI:
         return build_fastapi_app(self)
@@ -281,7 +282,7 @@ class OpenAIIngress:
             for t in list(self._timeouts):
                 t.reschedule(self._drain_at)
             logger.info("tr_serve: draining: %d request(s) in flight get %.1f s to finish", self.in_flight, grace)
-        return self.drain_status()
+        return await self.drain_status()
 
     async def drain_status(self) -> dict[str, Any]:
         return {"draining": self.draining, "in_flight": self.in_flight,
@@ -295,6 +296,7 @@ class OpenAIIngress:
     async def _monitor_loop(self) -> None:
         while True:
             await asyncio.gather(*[self._probe(m) for m in self.models.values()])
+            self._probed.set()
             self._probe_now.clear()
             try:
                 await asyncio.wait_for(self._probe_now.wait(), PROBE_INTERVAL_S)
@@ -571,7 +573,13 @@ def build_fastapi_app(ingress: OpenAIIngress) -> FastAPI:
 
     @app.get("/health")
     async def health():
+        """200 when the app can serve: not draining and some model has a live replica (the first
+        call waits for the first probe, so a replica still loading is not reported as up)."""
         ingress._ensure_monitor()
+        try:
+            await asyncio.wait_for(ingress._probed.wait(), PROBE_TIMEOUT_S)
+        except asyncio.TimeoutError:
+            pass
         if ingress.draining:
             return error_response(_shutting_down("draining"))
         down = sorted(n for n, m in ingress.models.items() if not m.available)
