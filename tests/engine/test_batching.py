@@ -3,6 +3,7 @@ that request alone, with chunked prefill interleaved with decoding."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from tr_serve import LLM, SamplingParams
@@ -28,12 +29,13 @@ def _top2_gap(model, ids: list[int]) -> float:
     return float(top[0] - top[1])
 
 
-def test_eight_concurrent_requests_equal_each_alone(loaded, spec_bench_rows):
+@pytest.mark.parametrize("tree", ["top8", "2.2.2+ctx"])  # one tree for all rows; a tree per row
+def test_eight_concurrent_requests_equal_each_alone(loaded, spec_bench_rows, tree):
     prompts = [encode_prompt(loaded.tokenizer, chat(r["turns"][0])) for r in _first_per_category(spec_bench_rows, 8)]
     assert len({len(p) for p in prompts}) > 4, "mixed prompt lengths"
     params = SamplingParams(max_tokens=24)
     # small prefill chunks so long prompts are split and interleaved with decoding rows
-    batched = LLM(tree="top8", loaded=loaded, max_num_seqs=8, max_prefill_tokens=96).generate(prompts, params)
+    batched = LLM(tree=tree, loaded=loaded, max_num_seqs=8, max_prefill_tokens=96).generate(prompts, params)
     alone_llm = LLM(tree="none", loaded=loaded, max_num_seqs=1)
     for prompt, out in zip(prompts, batched):
         ref = alone_llm.generate(prompt, params)[0].token_ids

@@ -83,3 +83,40 @@ def test_measured_step_latency_overrides_the_calibrated_table():
     latency.observe(8, 4, 3.0)  # measured: a batch of 8 trees costs 3 plain steps, more than it brings
     assert latency(8, 4) == 3.0
     assert choose_budget(rates, latency, 8, (0, 4)) == 0
+
+
+def test_context_stats_are_conditional_and_bucketed_by_match_length():
+    from tr_serve.tr.budget import ContextStats
+
+    stats = ContextStats(max_tokens=4, decay=1.0, prior_weight=0.0)
+    # a 2-token match: first token right, second wrong; the third is not observed (parent failed)
+    stats.update([(2, [True, True, False, False], [True, False, False, False])])
+    # a 6-token match: all three right
+    stats.update([(6, [True, True, True, False], [True, True, True, False])])
+    assert stats.trials[stats.bucket(2)].tolist() == [1.0, 1.0, 0.0, 0.0]
+    assert stats.hits[stats.bucket(2)].tolist() == [1.0, 0.0, 0.0, 0.0]
+    assert stats.bucket(7) == stats.bucket(6) != stats.bucket(4) != stats.bucket(2)
+    assert stats.path_rates(6)[:3] == [1.0, 1.0, 1.0]
+
+
+def test_plan_buys_a_confident_branch_only_when_the_forward_is_cheap_enough():
+    from tr_serve.tr.budget import choose_plan
+
+    template = [0.5, 0.2, 0.1, 0.05]
+    confident = ([1 << 30] * 6, [0.9 ** (j + 1) for j in range(6)])  # nothing merges; p_j = 0.9^(j+1)
+    flat = StepLatency(LatencyTable((1, 64), (0.03, 0.031)))
+    steep = StepLatency(LatencyTable((1, 2, 64), (0.03, 0.06, 2.0)))
+    assert choose_plan(template, [confident], flat, (0, 1, 2, 4), (0, 2, 4, 6)) == (4, 6)
+    assert choose_plan(template, [confident], steep, (0, 1, 2, 4), (0, 2, 4, 6)) == (0, 0)
+
+
+def test_plan_counts_merged_branch_tokens_as_free():
+    from tr_serve.tr.budget import choose_plan
+
+    # the branch's first two tokens are template nodes at order positions 0 and 1: with n >= 2 they
+    # cost nothing, and the third token hangs below them as one extra node
+    template = [0.6, 0.5, 0.01, 0.01]
+    branch = ([0, 1, 1 << 30], [0.9, 0.85, 0.8])
+    latency = StepLatency(LatencyTable((1, 2, 3, 4, 5), (0.030, 0.036, 0.042, 0.048, 0.054)))
+    n, cap = choose_plan(template, [branch], latency, (0, 1, 2, 4), (0, 1))
+    assert (n, cap) == (2, 1)  # 3 nodes verified: 1 + 0.6 + 0.5 + 0.8 expected tokens for 0.042 s

@@ -16,7 +16,10 @@ def brute_force(tokens: list[int], min_n: int, max_n: int, k: int) -> tuple[int,
         suffix = tokens[len(tokens) - n :]
         for start in range(len(tokens) - n - 1, -1, -1):  # occurrence tokens[start:start+n], followed by one
             if tokens[start : start + n] == suffix:
-                return n, tokens[start + n : start + n + k]
+                text = list(tokens)
+                for i in range(k):  # the text after the suffix repeats the text after the occurrence
+                    text.append(text[start + n + i])
+                return n, text[len(tokens) :]
     return 0, []
 
 
@@ -30,6 +33,16 @@ def test_longest_match_and_most_recent_occurrence():
     assert idx.lookup(2) == (3, [5, 2])
 
 
+def test_a_match_near_the_end_continues_as_an_overlapping_copy():
+    idx = ContextIndex(max_ngram=4, min_ngram=2)
+    idx.extend([9, 4, 7, 7, 7])
+    # (7, 7) last occurred at 2..3, followed by the final 7: the loop goes on
+    assert idx.lookup(5) == (2, [7, 7, 7, 7, 7])
+    idx.extend([1, 2, 1, 2])
+    # (1, 2) at 5..6 then "1 2": period 2
+    assert idx.lookup(5) == (2, [1, 2, 1, 2, 1])
+
+
 def test_no_match_below_min_ngram():
     idx = ContextIndex(max_ngram=4, min_ngram=2)
     idx.extend([1, 2, 3, 1])  # only the 1-gram (1,) repeats
@@ -37,7 +50,7 @@ def test_no_match_below_min_ngram():
     assert ContextIndex(max_ngram=4, min_ngram=1).lookup(4) == (0, [])
     one = ContextIndex(max_ngram=4, min_ngram=1)
     one.extend([1, 2, 3, 1])
-    assert one.lookup(4) == (1, [2, 3, 1])
+    assert one.lookup(4) == (1, [2, 3, 1, 2])
 
 
 @pytest.mark.parametrize("seed", range(20))

@@ -49,5 +49,15 @@ class ContextIndex:
         for n in range(min(self.max_ngram, len(toks)), self.min_ngram - 1, -1):
             start = self._next.get(tuple(toks[len(toks) - n :]))
             if start is not None:
-                return n, toks[start : start + max_tokens]
+                return n, self._copy(start, max_tokens)
         return 0, []
+
+    def _copy(self, start: int, count: int) -> list[int]:
+        """``count`` tokens from ``start`` on, as an overlapping copy (LZ77's): the match says the
+        text after the suffix repeats the text after ``start``, so once the copy reaches the end
+        it goes on with the tokens it has just predicted (a period-p loop keeps being drafted)."""
+        toks, end = self.tokens, len(self.tokens)
+        out = toks[start : start + count]
+        while len(out) < count:
+            out.append(out[start + len(out) - end])
+        return out

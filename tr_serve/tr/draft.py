@@ -104,19 +104,19 @@ def build_draft(template_tokens: torch.Tensor, tree: CompiledTree, template_node
     pad = torch.arange(width, q)
     mask[:, pad, 0] = True  # padding: a dead child of the root
     mask[:, pad, pad] = True
+    tree_depths = tree.depths.tolist()
     max_depth = tree.max_depth
     for r, (under, rest) in enumerate(extras):
-        col, parent = width, under
-        cols = list(chain_cols[r])
-        for tok in rest:
-            tokens[r, col] = tok
-            parents[r, col] = parent
-            depths[r, col] = depths[r, parent] + 1
-            mask[r, col] = mask[r, parent]
-            mask[r, col, col] = True
-            max_depth = max(max_depth, int(depths[r, col]))
-            cols.append(col)
-            parent, col = col, col + 1
-        chain_cols[r] = tuple(cols)
+        m = len(rest)
+        if m == 0:
+            continue
+        cols = torch.arange(width, width + m)
+        tokens[r, cols] = torch.tensor(rest, dtype=torch.long)
+        parents[r, cols] = torch.tensor([under] + list(range(width, width + m - 1)), dtype=torch.long)
+        depths[r, cols] = torch.arange(tree_depths[under] + 1, tree_depths[under] + m + 1)
+        mask[r, width : width + m, :width] = tree.mask[under]  # the merge node and its ancestors
+        mask[r, width : width + m, width : width + m] = torch.ones(m, m, dtype=torch.bool).tril()
+        max_depth = max(max_depth, tree_depths[under] + m)
+        chain_cols[r] = chain_cols[r] + tuple(range(width, width + m))
     return DraftBatch(tokens, parents, depths, mask, template_nodes, tuple(chain_cols), tuple(match_lengths),
                       max_depth)

@@ -55,3 +55,14 @@ def parse_tree_spec(spec: str, budget: str = "fixed") -> TreeSpec:
         if not s or is_plain(s) or s in ("pld", "auto"):
             raise ValueError(f"tree {spec!r}: '+ctx' follows a template name such as '2.2.2+ctx' or 'top8+ctx'")
     return TreeSpec(s, context, budget == "auto")
+
+
+def validate_tree_spec(spec: str, k: int, budget: str = "fixed") -> TreeSpec:
+    """Parse ``spec`` and load its template: a ValueError (TreeTemplateError for a bad template)
+    that names the problem, before any engine is built."""
+    from tr_serve.tr.tree import load_template
+
+    parsed = parse_tree_spec(spec, budget)
+    if parsed.template is not None:
+        load_template(parsed.template, k)
+    return parsed

@@ -1,0 +1,83 @@
+"""The drafter: which nodes a step verifies under each tree spec, on a tiny random model."""
+
+from __future__ import annotations
+
+import torch
+
+from tiny_model import tiny_loaded
+from tr_serve.engine.config import EngineConfig
+from tr_serve.engine.engine import Engine
+from tr_serve.sampling_params import SamplingParams
+
+# this random model soon repeats one token for ever: the context branch finds long matches
+PROMPT = [5, 17, 230, 402, 9, 33, 5, 17, 230, 402, 9, 33, 5, 17]
+
+
+def run(engine: Engine, prompt: list[int], n: int = 24) -> list[int]:
+    engine.add_request(prompt, SamplingParams(max_tokens=n, ignore_eos=True))
+    out = []
+    while engine.has_unfinished():
+        out += [o for o in engine.step() if o.finished]
+    return out[0].token_ids
+
+
+def test_pld_drafts_from_the_context_and_never_touches_the_matrix(tokenizer):
+    loaded = tiny_loaded(tokenizer, seed=3, init_range=0.1)
+    plain = run(Engine(loaded, EngineConfig(model="tiny", tree="none", max_model_len=128)), PROMPT)
+    engine = Engine(loaded, EngineConfig(model="tiny", tree="pld", max_model_len=128))
+    widths = []
+    real = engine.runner.verify
+
+    def verify(rows, tokens, depths, mask):
+        widths.append(tokens.shape[1])
+        return real(rows, tokens, depths, mask)
+
+    engine.runner.verify = verify
+    assert run(engine, PROMPT) == plain
+    assert engine.matrix.num_filled_rows() == 0
+    assert max(widths) == 5  # the root and a 4-token branch (the prompt repeats)
+    assert min(widths) >= 1
+
+
+def test_hybrid_trees_are_the_template_plus_a_branch_and_stay_lossless(tokenizer):
+    loaded = tiny_loaded(tokenizer, seed=3, init_range=0.1)
+    plain = run(Engine(loaded, EngineConfig(model="tiny", tree="none", max_model_len=128)), PROMPT)
+    engine = Engine(loaded, EngineConfig(model="tiny", tree="top4+ctx", max_model_len=128))
+    drafts = []
+    real = engine.drafter.draft
+
+    def draft(*args, **kwargs):
+        drafts.append(real(*args, **kwargs))
+        return drafts[-1]
+
+    engine.drafter.draft = draft
+    assert run(engine, PROMPT) == plain
+    assert all(d.num_template_nodes == 4 for d in drafts)
+    assert any(d.chain_columns[0] for d in drafts), "the repeating prompt should give a context branch"
+    assert max(d.num_nodes for d in drafts) > 4  # some branch went beyond the template's nodes
+    assert engine.matrix.num_filled_rows() > 0
+
+
+def test_auto_verifies_the_best_estimated_nodes(tokenizer, tmp_path, monkeypatch):
+    monkeypatch.setenv("TR_SERVE_CACHE", str(tmp_path))
+    loaded = tiny_loaded(tokenizer, seed=3, init_range=0.1)
+    plain = run(Engine(loaded, EngineConfig(model="tiny", tree="none", max_model_len=256)), PROMPT, 64)
+    engine = Engine(loaded, EngineConfig(model="tiny", tree="auto", max_model_len=256))
+    assert engine.drafter.acceptance is not None and engine.drafter.context_stats is not None
+    assert run(engine, PROMPT, 64) == plain
+    # a re-ranking orders the nodes by estimated path rate: every prefix is a tree and the rates
+    # never increase along the order
+    drafter = engine.drafter
+    rates = drafter.acceptance.rates
+    drafter._reorder(rates.tolist())
+    paths = drafter.template.template
+    assert sorted(drafter.order) == list(range(1, len(paths) + 1))
+    seen: set[tuple[int, ...]] = set()
+    for node in drafter.order:
+        p = paths[node - 1]
+        assert len(p) == 1 or p[:-1] in seen, f"{p} comes before its parent"
+        seen.add(p)
+    ordered = rates[torch.tensor(drafter.order) - 1]
+    assert torch.all(ordered[:-1] >= ordered[1:])
+    assert drafter.order != list(range(1, len(paths) + 1))  # the estimates moved away from level order
+    assert run(engine, PROMPT[::-1], 16)  # and it keeps serving with the new subsets
