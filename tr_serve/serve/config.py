@@ -79,7 +79,7 @@ class TRServeConfig(BaseModel):
                                     description="name clients send in `model`; default: `model`")
     # k comes before tree: the tree is checked against it
     k: int = Field(default=8, ge=1, description="matrix candidates per token")
-    tree: str = Field(default="2.2.2", min_length=1, description="tree template name, JSON file, or 'none'")
+    tree: str = Field(default="2.2.2", min_length=1, description="'auto' (cost-aware hybrid), a template name or JSON file, '<template>+ctx' (hybrid), 'pld', or 'none'")
     max_num_seqs: int = Field(default=8, ge=1)
     max_model_len: int = Field(default=2048, ge=2)
     device: str = "cpu"
@@ -149,11 +149,9 @@ class TRServeConfig(BaseModel):
     @field_validator("tree")
     @classmethod
     def _tree(cls, v: str, info: ValidationInfo) -> str:
-        if v.lower() in ("none", "off"):
-            return v
-        from tr_serve.tr.tree import load_template
+        from tr_serve.tr.tree_spec import validate_tree_spec
 
-        load_template(v, info.data.get("k", 8))  # TreeTemplateError (a ValueError) names the problem
+        validate_tree_spec(v, info.data.get("k", 8))  # a ValueError that names the problem
         return v
 
     @field_validator("num_replicas")
