@@ -37,6 +37,9 @@ class AcceptanceStats:
         prior = path[1:] / path[self._parents[1:]]  # conditional prior q_i = prior(path) / prior(parent path)
         self.hits = prior * prior_weight
         self.trials = torch.full_like(prior, prior_weight)
+        self._parent_list = tree.parents.tolist()
+        self._level_order = tree.level_order.tolist()
+        self._rates: list[float] | None = None
 
     @property
     def conditional_rates(self) -> torch.Tensor:
@@ -46,12 +49,17 @@ class AcceptanceStats:
     @property
     def rates(self) -> torch.Tensor:
         """Estimated path rates p_i for nodes 1..n (index 0 here = node 1)."""
-        q = self.conditional_rates
-        p = torch.ones(self.tree.num_nodes + 1, dtype=torch.float64)
-        for lo, hi in self.tree.level_slices:  # parents are resolved a level before their children
-            idx = self.tree.level_order[lo:hi]
-            p[idx] = p[self._parents[idx]] * q[idx - 1]
-        return p[1:]
+        return torch.tensor(self.rate_list(), dtype=torch.float64)
+
+    def rate_list(self) -> list[float]:
+        """:attr:`rates` as a list, computed once per update (the budget reads it every step)."""
+        if self._rates is None:
+            q = self.conditional_rates.tolist()
+            p = [1.0] * (self.tree.num_nodes + 1)
+            for i in self._level_order:  # parents are resolved before their children
+                p[i] = p[self._parent_list[i]] * q[i - 1]
+            self._rates = p[1:]
+        return self._rates
 
     def update(self, draft: torch.Tensor, choice: torch.Tensor, verified: torch.Tensor | None = None) -> None:
         """draft [b, N+1] drafted tokens of the full template; choice [b, v] the model's token after
@@ -84,6 +92,7 @@ class AcceptanceStats:
         self.trials *= self.decay
         self.hits += ok[:, 1:].double().sum(0)
         self.trials += observed[:, 1:].double().sum(0)
+        self._rates = None
 
 
 class ContextStats:
@@ -99,26 +108,42 @@ class ContextStats:
         nb = len(self.BUCKETS)
         self.hits = torch.full((nb, max_tokens), prior * prior_weight, dtype=torch.float64)
         self.trials = torch.full((nb, max_tokens), prior_weight, dtype=torch.float64)
+        self._path_rates: list[list[float]] | None = None
 
     def bucket(self, match_length: int) -> int:
         return max(0, bisect.bisect_right(self.BUCKETS, match_length) - 1)
 
     def path_rates(self, match_length: int) -> list[float]:
         """p_j: probability that the first j+1 retrieved tokens are all accepted."""
-        q = self.hits[self.bucket(match_length)] / self.trials[self.bucket(match_length)].clamp(min=1e-12)
-        return torch.cumprod(q, 0).tolist()
+        if self._path_rates is None:
+            q = (self.hits / self.trials.clamp(min=1e-12)).tolist()
+            self._path_rates = []
+            for row in q:
+                p, acc = [], 1.0
+                for v in row:
+                    acc *= v
+                    p.append(acc)
+                self._path_rates.append(p)
+        return self._path_rates[self.bucket(match_length)]
 
     def update(self, outcomes: list[tuple[int, list[bool], list[bool]]]) -> None:
         """Per row (match length, observed per offset, accepted per offset)."""
         self.hits *= self.decay
         self.trials *= self.decay
+        rows, cols, hits = [], [], []
         for match_length, observed, accepted in outcomes:
             row = self.bucket(match_length)
             for j, (seen, ok) in enumerate(zip(observed, accepted)):
                 if not seen or j >= self.max_tokens:
                     break
-                self.trials[row, j] += 1.0
-                self.hits[row, j] += float(ok)
+                rows.append(row)
+                cols.append(j)
+                hits.append(float(ok))
+        if rows:
+            index = (torch.tensor(rows), torch.tensor(cols))
+            self.trials.index_put_(index, torch.ones(len(rows), dtype=torch.float64), accumulate=True)
+            self.hits.index_put_(index, torch.tensor(hits, dtype=torch.float64), accumulate=True)
+        self._path_rates = None
 
 
 @dataclass(frozen=True)
@@ -195,22 +220,23 @@ def choose_plan(template_rates: list[float], chains: list[tuple[list[int], list[
     With ``explore``, the runner-up instead (its latency keeps being measured)."""
     rows = max(1, len(chains))
     cum_t = _cumulative(template_rates)
-    cum_c = [_cumulative(rates) for _, rates in chains]
+    branches = [(merge_pos, _cumulative(rates)) for merge_pos, rates in chains if rates]  # rows with a branch
     scored = []
     for n in node_candidates:
-        merged = []
-        for merge_pos, _ in chains:
+        base = rows * (1.0 + cum_t[n])
+        merged = []  # per branch: (tokens merged into the first n template nodes, cumulative rates)
+        for merge_pos, cum in branches:
             m = 0
             while m < len(merge_pos) and merge_pos[m] < n:
                 m += 1
-            merged.append(m)
+            merged.append((m, cum))
+        longest = max((len(cum) - 1 - m for m, cum in merged), default=0)
         for cap in chain_caps:
-            extra = [min(cap, len(rates) - m) for (_, rates), m in zip(chains, merged)]
-            width = n + max(extra, default=0)
-            gain = rows * cum_t[n] + sum(c[m + e] - c[m] for c, m, e in zip(cum_c, merged, extra))
-            scored.append(((rows + gain) / latency(rows, width), -width, n, cap))
-            if not any(len(r) > m for (_, r), m in zip(chains, merged)):
-                break  # no row has a token left to add: larger caps are the same plan
+            extra = min(cap, longest)
+            gain = sum(cum[m + min(cap, len(cum) - 1 - m)] - cum[m] for m, cum in merged) if cap else 0.0
+            scored.append(((base + gain) / latency(rows, n + extra), -(n + extra), n, cap))
+            if cap >= longest:
+                break  # larger caps are the same plan
     scored.sort(reverse=True)
     pick = scored[1] if explore and len(scored) > 1 else scored[0]
     return pick[2], pick[3]

@@ -39,7 +39,7 @@ HYBRID_CONTEXT = ContextSettings(min_ngram=2, max_ngram=8, max_tokens=16)
 PLD_CONTEXT = ContextSettings(min_ngram=2, max_ngram=4, max_tokens=4)
 
 NODE_CANDIDATES = (0, 1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 80)
-CHAIN_CAPS = (0, 1, 2, 3, 4, 6, 8, 12, 16)
+CHAIN_CAPS = (0, 1, 2, 4, 8, 16)
 EXPLORE_EVERY = 16  # every 16th step verifies the runner-up plan, to keep its latency measured
 REORDER_EVERY = 64  # steps between re-rankings of the template nodes by estimated acceptance
 _NOT_VERIFIED = 1 << 30
@@ -108,7 +108,7 @@ class Drafter:
 
     def _plan(self, full: torch.Tensor, chains: list[list[int]], matches: list[int]) -> tuple[int, int]:
         self._steps += 1
-        rates = self.acceptance.rates.tolist()  # path rate of full-template node i at [i-1]
+        rates = self.acceptance.rate_list()  # path rate of full-template node i at [i-1]
         if self._steps % REORDER_EVERY == 0:
             self._reorder(rates)
         position = {node: i for i, node in enumerate(self.order)}
