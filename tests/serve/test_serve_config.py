@@ -103,7 +103,7 @@ def test_request_validation_is_strict_and_names_the_param():
     err = _errors(ChatCompletionRequest, {"model": "m", "messages": [{"role": "wizard", "content": "x"}]})
     assert err.param == "messages[0].role" and err.status_code == 400
     assert _errors(CompletionRequest, {"model": "m", "prompt": 5}).param == "prompt"
-    # unknown fields are ignored, like OpenAI
+    # unknown fields are ignored, like vLLM
     req = ChatCompletionRequest.model_validate({"model": "m", "messages": msgs, "whatever": {"x": 1}})
     assert req.unsupported() is None and req.requested_max_tokens() is None
 
@@ -159,3 +159,109 @@ def test_health_check_fails_once_the_engine_is_not_alive():
     server.engine = SimpleNamespace(alive=False, error=ValueError("boom"), engine=SimpleNamespace(), shutdown=lambda: shutdowns.append(1))
     with pytest.raises(RuntimeError, match="boom"):
         server.check_health()
+
+
+def test_edge_limits_default_from_max_model_len():
+    cfg = TRServeConfig.from_args({"max_model_len": 512})
+    assert cfg.resolved_max_prompt_chars() == 64 * 512
+    assert cfg.resolved_max_request_bytes() == 4 * 64 * 512 + 65536
+    assert (cfg.max_json_depth, cfg.drain_timeout_s) == (32, 30.0)
+    cfg = TRServeConfig.from_args({"max_prompt_chars": 1000, "max_request_bytes": 4096, "drain_timeout_s": 7})
+    assert (cfg.resolved_max_prompt_chars(), cfg.resolved_max_request_bytes()) == (1000, 4096)
+    # a replica Serve replaces gets the drain timeout; the ingress outlives it
+    assert cfg.server_deployment_options()["graceful_shutdown_timeout_s"] == 7
+    assert cfg.ingress_deployment_options()["graceful_shutdown_timeout_s"] == 12
+    explicit = TRServeConfig.from_args({"graceful_shutdown_timeout_s": 3})
+    assert explicit.server_deployment_options()["graceful_shutdown_timeout_s"] == 3
+    for bad, key in (({"max_request_bytes": 10}, "max_request_bytes"), ({"max_json_depth": 1000}, "max_json_depth"),
+                     ({"drain_timeout_s": -1}, "drain_timeout_s"), ({"max_prompt_chars": 0}, "max_prompt_chars")):
+        with pytest.raises(ConfigError, match=key):
+            TRServeConfig.from_args(bad)
+
+
+def test_check_json_bounds_depth_and_refuses_lone_surrogates():
+    from tr_serve.serve.protocol import check_json
+
+    deep = node = {}
+    for _ in range(40):
+        node["x"] = [{}]
+        node = node["x"][0]
+    assert check_json({"a": [1, {"b": "ok é 😀"}]}, 32) is None
+    err = check_json({"tool_choice": deep}, 32)
+    assert (err.status_code, err.code, err.param) == (400, "invalid_body", "tool_choice.x[0].x")
+    assert check_json({"tool_choice": deep}, 100) is None
+    for obj, param in (({"model": "\ud800"}, "model"), ({"messages": [{"content": "a\udfffb"}]}, "messages[0].content"),
+                       ({"\udc00": 1}, None), ({"stop": ["x", "\ud83d"]}, "stop[1]")):
+        err = check_json(obj, 32)
+        assert (err.status_code, err.code, err.param) == (400, "invalid_unicode", param), obj
+
+
+def test_echo_cuts_and_escapes_user_strings():
+    from tr_serve.serve.protocol import echo
+
+    assert echo("gpt-4o") == "gpt-4o"
+    assert echo("a\x00b\ud800c\x1b") == "a\\u0000b\\ud800c\\u001b"
+    long = echo("m" * 5_000_000)
+    assert long == "m" * 64 + "... (5000000 characters)"
+    long.encode("ascii")
+
+
+@pytest.mark.parametrize("extra, param", [
+    ({"tool_choice": "auto"}, "tool_choice"), ({"tool_choice": "required"}, "tool_choice"),
+    ({"tool_choice": {"type": "function", "function": {"name": "f"}}}, "tool_choice"),
+    ({"tools": [{"type": "function"}]}, "tools"), ({"functions": [{"name": "f"}]}, "functions"),
+    ({"function_call": "auto"}, "function_call"), ({"audio": {"voice": "x"}}, "audio"),
+    ({"modalities": ["audio"]}, "modalities"), ({"prediction": {"type": "content"}}, "prediction"),
+    ({"web_search_options": {}}, "web_search_options"), ({"stop": [str(i) for i in range(17)]}, "stop"),
+    ({"stop": "x" * 1001}, "stop"),
+])
+def test_unsupported_chat_fields_are_refused_by_name(extra, param):
+    msgs = [{"role": "user", "content": "hi"}]
+    err = ChatCompletionRequest.model_validate({"model": "m", "messages": msgs, **extra}).unsupported()
+    assert err is not None and err.param == param and err.status_code == 400
+
+
+def test_harmless_chat_fields_are_accepted_and_prompt_chars_counted():
+    msgs = [{"role": "system", "content": "be brief"}, {"role": "user", "content": [{"type": "text", "text": "hi"}],
+                                                        "name": "ann"}]
+    req = ChatCompletionRequest.model_validate({"model": "m", "messages": msgs, "tool_choice": "none",
+                                                "modalities": ["text"], "stop": [str(i) for i in range(16)],
+                                                "parallel_tool_calls": False, "store": False})
+    assert req.unsupported() is None
+    assert (req.prompt_chars(), req.prompt_param) == (len("be brief") + len("hi") + len("ann"), "messages")
+    comp = CompletionRequest.model_validate({"model": "m", "prompt": [1, 2, 3]})
+    assert (comp.prompt_chars(), comp.prompt_param) == (3, "prompt")
+
+
+def test_error_middleware_rewrites_plain_text_errors_and_keeps_retry_after():
+    from starlette.applications import Starlette
+    from starlette.responses import PlainTextResponse, Response
+    from starlette.routing import Route
+    from starlette.testclient import TestClient
+
+    from tr_serve.serve.ingress import APIKeyMiddleware, OpenAIErrorMiddleware
+
+    async def busy(request):  # what Serve's own BackPressureError handler sends
+        return Response("Request dropped due to backpressure (num_queued_requests=16, max_queued_requests=16).",
+                        status_code=429, headers={"Retry-After": "2"})
+
+    async def boom(request):
+        raise RuntimeError("boom")
+
+    async def text(request):
+        return PlainTextResponse("fine")
+
+    app = Starlette(routes=[Route("/busy", busy), Route("/boom", boom), Route("/ok", text), Route("/health", text)])
+    client = TestClient(OpenAIErrorMiddleware(APIKeyMiddleware(app, keys=["k"])), raise_server_exceptions=False)
+    auth = {"Authorization": "Bearer k"}
+    r = client.get("/busy", headers=auth)
+    assert r.status_code == 429 and r.headers["retry-after"] == "2"
+    assert r.json()["error"]["type"] == "rate_limit_error" and r.json()["error"]["code"] == "overloaded"
+    assert "backpressure" in r.json()["error"]["message"]
+    r = client.get("/boom", headers=auth)
+    assert r.status_code == 500 and r.json()["error"]["type"] == "server_error"
+    assert client.get("/ok", headers=auth).text == "fine"  # successes pass untouched
+    assert client.get("/health").status_code == 200  # the one route without a key
+    for path in ("/x/health", "/health/", "/ok"):
+        r = client.get(path)
+        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key", path
