@@ -223,6 +223,9 @@ def test_provenance_records():
     plan = KernelPlan((1, 4, 16), ("mkl_nt", "onednn", "torch"))
     assert kernel_plan_record(plan) == {"per_token_count": {"1": "mkl_nt", "4": "onednn", "16": "torch"},
                                         "above": "torch"}
+    padding = KernelPlan((1, 4, 16), ("mkl_nt", "onednn", "torch"))
+    object.__setattr__(padding, "rows", (2, 4, 16))  # a plan that runs 1-token calls on 2 rows
+    assert kernel_plan_record(padding)["padded_rows"] == {"1": 2}
     assert template_sha256([(0,), (0, 0)]) == hashlib.sha256(b"[[0], [0, 0]]").hexdigest()
     assert template_sha256([(0,), (1,)]) != template_sha256([(1,), (0,)])  # the order is part of the tree
     _, paper = load_template("2.2.2", 8)
