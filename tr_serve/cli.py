@@ -47,8 +47,9 @@ def build_parser() -> OneLineErrorParser:
     g.add_argument("--max-tokens", type=_positive_int, default=128, metavar="N",
                    help="new tokens at most (default: 128)")
     trees = g.add_mutually_exclusive_group()
-    trees.add_argument("--tree", default="2.2.2", metavar="2.2.2|NAME|PATH.json",
-                       help="draft tree template: a built-in name or a JSON file of paths (default: 2.2.2)")
+    trees.add_argument("--tree", default="auto", metavar="auto|2.2.2|NAME[+ctx]|pld|PATH.json",
+                       help="tree setting: auto (cost-aware hybrid), a template name or JSON file of paths, "
+                            "<template>+ctx, or pld (default: auto)")
     trees.add_argument("--no-tr", action="store_true", help="plain greedy decoding through the same runner")
     g.add_argument("--k", type=_positive_int, default=8, help="candidates per matrix row (default: 8)")
     g.add_argument("--stop", nargs="+", action="extend", default=[], metavar="S",
@@ -70,6 +71,10 @@ def build_parser() -> OneLineErrorParser:
     b.add_argument("--rounds", type=_positive_int, default=1, metavar="R",
                    help="with --concurrency: R rounds per level, each on questions of its own, alternating the "
                         "order of the methods each round (default: 1)")
+    b.add_argument("--latency", action="store_true",
+                   help="instead: one verify forward's latency by query tokens (1-80) at contexts 256 and 1024 "
+                        "through the engine's runner and kernels (tr_serve/bench/latency.py; --json default "
+                        "bench_out/latency.json)")
     b.set_defaults(func=cmd_bench)
 
     from tr_serve.bench import fleet as bench_fleet
@@ -188,6 +193,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from tr_serve.bench import spec_bench
 
     _quiet_transformers()
+    if args.latency:
+        from tr_serve.bench import latency
+
+        return latency.execute(args)
     if args.concurrency:
         return cmd_bench_concurrency(args)
     return spec_bench.execute(args, prog="tr-serve bench")

@@ -9,6 +9,7 @@ from tr_serve.engine.engine import Engine
 from tr_serve.engine.request import RequestOutput
 from tr_serve.model_loader import LoadedModel, load_model
 from tr_serve.sampling_params import SamplingParams
+from tr_serve.tr.tree_spec import DEFAULT_TREE_SETTING
 
 ChatMessages = list[dict[str, str]]
 Prompt = Union[str, ChatMessages, list[int]]
@@ -32,7 +33,7 @@ def encode_prompt(tokenizer, prompt: Prompt) -> list[int]:
 class LLM:
     """Loads the model once; the engine (and its adjacency matrix) outlives every generate call."""
 
-    def __init__(self, model: str = "smollm2-135m-instruct", tree: str = "2.2.2", k: int = 8,
+    def __init__(self, model: str = "smollm2-135m-instruct", tree: str = DEFAULT_TREE_SETTING, k: int = 8,
                  loaded: LoadedModel | None = None, **engine_kwargs):
         self.config = EngineConfig(model=model, tree=tree, k=k, **engine_kwargs)
         self.loaded = loaded or load_model(model, device=self.config.device, dtype=self.config.dtype)

@@ -31,7 +31,7 @@ def test_cpu_yaml_binds_loopback_port_8000_and_the_embedded_model():
     raw = yaml.safe_load((CONFIGS / "smollm2-cpu.yaml").read_text())
     assert raw["http_options"] == {"host": "127.0.0.1", "port": 8000}
     cfg = TRServeConfig.from_args(raw["applications"][0]["args"])
-    assert (cfg.model, cfg.device, cfg.tree, cfg.budget) == ("smollm2-135m-instruct", "cpu", "2.2.2", "auto")
+    assert (cfg.model, cfg.device, cfg.tree) == ("smollm2-135m-instruct", "cpu", "auto")
 
 
 def test_llama70b_yaml_builds_an_8_gpu_tensor_parallel_replica():
@@ -46,7 +46,7 @@ def test_llama70b_yaml_builds_an_8_gpu_tensor_parallel_replica():
     assert opts["autoscaling_config"]["min_replicas"] == 1 and opts["autoscaling_config"]["max_replicas"] == 4
     assert "num_replicas" not in opts
     assert opts["max_ongoing_requests"] == 64 and opts["max_queued_requests"] == 256
-    assert (cfg.dtype, cfg.device, cfg.tree) == ("bfloat16", "cuda", "2.2.2")
+    assert (cfg.dtype, cfg.device, cfg.tree) == ("bfloat16", "cuda", "auto")
     build_app(args)  # Serve's own option checks (actor must fit the first bundle) pass
 
 
@@ -125,7 +125,8 @@ def test_unsupported_fields_are_rejected_with_their_param():
 def test_engine_options_pass_through():
     from tr_serve.engine.config import EngineConfig
 
-    assert TRServeConfig.from_args({}).engine_config() == EngineConfig(tree="2.2.2")  # engine defaults kept
+    assert TRServeConfig.from_args({}).engine_config() == EngineConfig()  # engine defaults kept
+    assert EngineConfig().tree == "auto"
     cfg = TRServeConfig.from_args({"budget": "auto", "max_prefill_tokens": 64, "kv_cache_memory_gb": 0.5,
                                    "cpu_kernels": "torch"})
     e = cfg.engine_config()

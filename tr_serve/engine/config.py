@@ -4,20 +4,21 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from tr_serve.tr.tree_spec import is_plain, parse_tree_spec
+from tr_serve.tr.tree_spec import DEFAULT_TREE_SETTING, is_plain, parse_tree_spec
 
 CPU_KERNEL_MODES = ("auto", "torch")  # measured kernel per token count (runner/cpu_kernels.py), or F.linear
 
 
 @dataclass(frozen=True)
 class EngineConfig:
-    """``tree`` is a template name (``2.2.2``, ``top8``, ...), a JSON file of paths, or ``none``
-    for plain decoding through the same runner. ``budget="auto"`` verifies, each step, the prefix
-    of the template that maximises expected tokens per second (calibrated latency x online
-    acceptance); ``"fixed"`` always verifies the whole template."""
+    """``tree`` is a tree setting (tr/tree_spec.py): ``auto`` (the cost-aware hybrid, default),
+    a template name (``2.2.2``, ``top8``, ...) or JSON file of paths, ``<template>+ctx``, ``pld``,
+    or ``none`` for plain decoding through the same runner. ``budget="auto"`` with a template
+    verifies, each step, the nodes of it that maximise expected tokens per second (calibrated
+    latency x online acceptance); ``"fixed"`` always verifies the whole template."""
 
     model: str = "smollm2-135m-instruct"
-    tree: str = "2.2.2"
+    tree: str = DEFAULT_TREE_SETTING
     k: int = 8
     max_num_seqs: int = 8
     max_model_len: int = 2048

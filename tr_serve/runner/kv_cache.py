@@ -32,12 +32,18 @@ class SlotLayer(CacheLayerMixin):
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         # key_states: [b, kv_heads, q, head_dim] for the step's rows, in step order
         o = self.owner
-        k = key_states.transpose(1, 2)  # [b, q, kv_heads, head_dim]
-        v = value_states.transpose(1, 2)
-        self.keys[o.step_rows_col, :, o.step_slots] = k
-        self.values[o.step_rows_col, :, o.step_slots] = v
-        if o.step_rows_are_prefix:
-            return self.keys[: o.step_num_rows, :, : o.step_kv_len], self.values[: o.step_num_rows, :, : o.step_kv_len]
+        if o.step_single is not None:  # one row: a slice copy, no index tensors
+            row, start, q = o.step_single
+            self.keys[row, :, start : start + q] = key_states[0]
+            self.values[row, :, start : start + q] = value_states[0]
+        else:
+            k = key_states.transpose(1, 2)  # [b, q, kv_heads, head_dim]
+            v = value_states.transpose(1, 2)
+            self.keys[o.step_rows_col, :, o.step_slots] = k
+            self.values[o.step_rows_col, :, o.step_slots] = v
+        if o.step_row_range is not None:  # consecutive rows: a view of the buffers, no gather
+            first, end = o.step_row_range
+            return self.keys[first:end, :, : o.step_kv_len], self.values[first:end, :, : o.step_kv_len]
         return self.keys[o.step_rows, :, : o.step_kv_len], self.values[o.step_rows, :, : o.step_kv_len]
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
@@ -74,7 +80,10 @@ class SlotKVCache(Cache):
             raise ValueError(f"KV cache row overflow: {int(starts.max())} + {q} > max_len {self.max_len}")
         self.step_rows = rows.to(self.device)
         self.step_num_rows = len(rows)
-        self.step_rows_are_prefix = bool(torch.equal(rows, torch.arange(len(rows))))
+        first = int(rows[0])
+        consecutive = bool(torch.equal(rows, torch.arange(first, first + len(rows))))
+        self.step_row_range = (first, first + len(rows)) if consecutive else None
+        self.step_single = (first, int(starts[0]), q) if len(rows) == 1 else None
         self.step_rows_col = self.step_rows[:, None]
         self.step_slots = (starts[:, None] + torch.arange(q)).to(self.device)  # [b, q]
         self.step_kv_len = int(starts.max()) + q

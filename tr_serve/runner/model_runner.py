@@ -10,6 +10,7 @@ import contextlib
 
 import torch
 
+from tr_serve.runner.attention import runner_attention
 from tr_serve.runner.cpu_kernels import KernelPlan
 from tr_serve.runner.kv_cache import SlotKVCache
 
@@ -77,7 +78,7 @@ class ModelRunner:
         starts = self.cache.begin_step(rows, q)
         mask = build_step_mask(starts, local, self.cache.step_kv_len, self.dtype).to(self.device)
         positions = (starts[:, None] + depths).to(self.device)
-        with self._kernels():
+        with self._kernels(), runner_attention(self.model):
             out = self.model.model(
                 input_ids=tokens.to(self.device), attention_mask=mask, position_ids=positions,
                 cache=self.cache, use_cache=True,

@@ -79,7 +79,7 @@ class TRServeConfig(BaseModel):
                                     description="name clients send in `model`; default: `model`")
     # k comes before tree: the tree is checked against it
     k: int = Field(default=8, ge=1, description="matrix candidates per token")
-    tree: str = Field(default="2.2.2", min_length=1, description="'auto' (cost-aware hybrid), a template name or JSON file, '<template>+ctx' (hybrid), 'pld', or 'none'")
+    tree: str = Field(default="auto", min_length=1, description="'auto' (cost-aware hybrid), a template name or JSON file, '<template>+ctx' (hybrid), 'pld', or 'none'")
     max_num_seqs: int = Field(default=8, ge=1)
     max_model_len: int = Field(default=2048, ge=2)
     device: str = "cpu"
