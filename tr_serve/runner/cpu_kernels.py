@@ -1,18 +1,29 @@
 """Faster fp32 linear kernels for the small token counts of decoding and tree verification on CPU.
 
 Why: torch's fp32 ``F.linear`` on CPU calls MKL sgemm, whose small-M paths are slow on some CPUs
-(measured on this 2-core AMD EPYC: the whole SmolLM2 forward costs 56 ms for 1 token, 90 ms for 2,
-77 ms for 8). Two other kernels already in torch compute the same fp32 dot products much faster:
+(measured on this 2-core AMD EPYC: the model's linears cost 46 ms for 1 token, 73 ms for 2, 67 ms
+for 8). Two other kernels already in torch compute the same fp32 dot products much faster:
 
 - ``mkl_nt``: ``weight @ x.T`` (MKL's tall-skinny path; one row is padded to two, because MKL's
   one-row path is a slow GEMV);
 - ``onednn``: oneDNN's linear on a weight prepacked once (``torch.ops.mkldnn``), which keeps the
   cost almost flat from 3 to 16 tokens.
 
+Sibling projections that read the same input (an attention block's q/k/v, an MLP's gate/up) run as
+one GEMM over their concatenated weights (:class:`FusedGroup`): one pass over the input, fewer and
+wider kernel calls. Each output element is still the dot product of one input row with one weight
+row, in fp32.
+
 Which kernel wins depends on the CPU and the token count, so :func:`select_plan` measures every
-kernel on the model's own linear shapes at start-up (cached on disk) and keeps, per token count, the
-fastest. Results are fp32 like torch's, with a different summation order: rounding-level differences
-only, exactly as between torch's own kernels for different batch shapes.
+kernel on the model's own linear calls at start-up (cached on disk) and keeps, per token count, the
+fastest; a count may also run padded to a larger measured count when that is faster (oneDNN's
+one-row path, for one, is slower than its four-row one). Timing is interleaved over kernels and
+counts and repeated (min of N); a pair whose every sample ran while other processes held the CPUs
+(Linux pressure stall information) is timed again, and counts whose best time is far above a larger
+count's are measured again, so that one noisy moment at start-up is not cached forever (a plan
+measured by older code is never reused: :data:`PLAN_VERSION` is in the cache key). Results are fp32 like
+torch's, with a different summation order: rounding-level differences only, exactly as between
+torch's own kernels for different batch shapes.
 
 The plan is active only inside :func:`KernelPlan.active` (the runner's forwards), so the same model
 object used elsewhere, e.g. ``model.generate`` as the lossless reference, keeps torch's kernels.
@@ -39,6 +50,13 @@ logger = logging.getLogger(__name__)
 KERNELS = ("torch", "mkl_nt", "onednn")
 POINTS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128)  # token counts measured; above the last: torch
 PACK_HINT = 8  # oneDNN picks its weight layout for this many rows; measured flat from 3 to 16 here
+PLAN_VERSION = 3  # part of the cache key: plans measured by older code (one noisy run each) are measured again
+ROUNDS = 5  # interleaved timing rounds per (count, kernel); the minimum is kept
+CONTENDER = 1.5  # after two rounds, kernels slower than this times the best at a count stop being timed there
+RECHECK = 1.10  # a count whose best time exceeds a larger count's by this factor is measured again
+PAD_GAIN = 0.95  # pad a count up to a larger measured one only when that is at least 5% faster
+STALL_LIMIT = 0.05  # a sample during which tasks waited for a CPU over 5% of its time was disturbed
+MAX_RETRY_SECONDS = 30.0  # time spent re-timing pairs that only had disturbed samples, at most
 
 _state = threading.local()
 
@@ -46,14 +64,33 @@ _state = threading.local()
 @dataclass(frozen=True)
 class KernelPlan:
     """``kernels[i]`` serves token counts in (points[i-1], points[i]]; counts above the last point use
-    torch's own kernel."""
+    torch's own kernel. ``rows[i]``, when given, is the row count those calls are padded to (zero
+    rows appended, their outputs dropped): a larger measured point that runs faster."""
 
     points: tuple[int, ...]
     kernels: tuple[str, ...]
+    rows: tuple[int, ...] | None = None
+
+    def __post_init__(self):
+        if len(self.points) != len(self.kernels) or (self.rows is not None and len(self.rows) != len(self.points)):
+            raise ValueError("points, kernels and rows must have the same length")
+        if any(k not in KERNELS for k in self.kernels):
+            raise ValueError(f"unknown kernel in {self.kernels}")
+        if list(self.points) != sorted(set(self.points)) or any(p < 1 for p in self.points):
+            raise ValueError(f"points must be increasing positive counts, got {self.points}")
+        if self.rows is not None and any(r < p for r, p in zip(self.rows, self.points)):
+            raise ValueError("a padded row count is below its point")
 
     def kernel_for(self, n: int) -> str:
         i = bisect.bisect_left(self.points, n)
         return self.kernels[i] if i < len(self.kernels) else "torch"
+
+    def choice(self, n: int) -> tuple[str, int]:
+        """(kernel, rows to run) for a call on ``n`` rows: rows == n unless the plan pads."""
+        i = bisect.bisect_left(self.points, n)
+        if i >= len(self.kernels):
+            return "torch", n
+        return self.kernels[i], (max(n, self.rows[i]) if self.rows is not None else n)
 
     @contextlib.contextmanager
     def active(self) -> Iterator[None]:
@@ -63,6 +100,8 @@ class KernelPlan:
             yield
         finally:
             _state.plan = previous
+            if previous is None:
+                _state.stash = {}  # sibling outputs nobody asked for do not outlive the forward
 
 
 class KernelLinear(nn.Linear):
@@ -70,15 +109,95 @@ class KernelLinear(nn.Linear):
     Swapped in by changing ``__class__``, so weights, hooks and sharding stay as they are."""
 
     packed: torch.Tensor | None
+    group: "FusedGroup | None"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         plan: KernelPlan | None = getattr(_state, "plan", None)
         if plan is None or x.dtype != torch.float32 or x.device.type != "cpu":
             return F.linear(x, self.weight, self.bias)
-        return run_kernel(self, x, plan.kernel_for(x.numel() // x.shape[-1]))
+        if self.group is not None:
+            return self.group.output(self, x, plan)
+        return run_planned(self, x, plan)
 
 
-def run_kernel(linear: KernelLinear, x: torch.Tensor, kernel: str) -> torch.Tensor:
+class FusedGroup:
+    """Linears that read the same input, run as one GEMM. The members' weights become row views of
+    one concatenated tensor (same values, no extra memory; every view stays 64-byte aligned, so
+    torch's own kernels see the weights exactly as before); the first member called with an input
+    computes every member's output, and the others take theirs when called with the same input object
+    (transformers' blocks pass one tensor to all siblings; inference tensors carry no version counter,
+    and nothing modifies a block's normalised input in place between its sibling projections)."""
+
+    def __init__(self, members: list[KernelLinear]):
+        self.members = tuple(members)
+        self.in_features = members[0].in_features
+        self.out_features = sum(m.out_features for m in members)
+        self.bounds = []
+        start = 0
+        for m in members:
+            self.bounds.append((start, start + m.out_features))
+            start += m.out_features
+        weight = torch.cat([m.weight.detach() for m in members])
+        for m, (a, b) in zip(members, self.bounds):
+            m.weight.data = weight[a:b]
+            m.group = self
+        self.weight = weight
+        has_bias = [m.bias is not None for m in members]
+        self.bias = torch.cat([m.bias.detach() for m in members]) if all(has_bias) else None
+        if any(has_bias) and not all(has_bias):
+            raise ValueError("members must all have a bias or none")
+        self.packed: torch.Tensor | None = None
+
+    @staticmethod
+    def fusable(members: list[nn.Module]) -> bool:
+        if len(members) < 2 or not all(type(m) is KernelLinear and m.group is None for m in members):
+            return False
+        first = members[0]
+        if any(m.in_features != first.in_features for m in members):
+            return False
+        if len({m.bias is not None for m in members}) != 1:
+            return False
+        if any(not m.weight.is_contiguous() or m.weight.requires_grad for m in members):
+            return False
+        # each member's view must start 64-byte aligned, as torch's allocator aligns tensors
+        offset = 0
+        for m in members:
+            if (offset * first.in_features * 4) % 64:
+                return False
+            offset += m.out_features
+        return True
+
+    def output(self, member: KernelLinear, x: torch.Tensor, plan: KernelPlan) -> torch.Tensor:
+        stash = _stash()
+        entry = stash.get(id(self))
+        if entry is None or entry[0] is not x or member not in entry[1]:
+            y = run_planned(self, x, plan)
+            entry = (x, {m: y[..., a:b] for m, (a, b) in zip(self.members, self.bounds)})
+            stash[id(self)] = entry
+        out = entry[1].pop(member)
+        if not entry[1]:
+            del stash[id(self)]
+        return out
+
+
+def _stash() -> dict:
+    stash = getattr(_state, "stash", None)
+    if stash is None:
+        stash = _state.stash = {}
+    return stash
+
+
+def run_planned(linear: KernelLinear | FusedGroup, x: torch.Tensor, plan: KernelPlan) -> torch.Tensor:
+    n = x.numel() // x.shape[-1]
+    kernel, rows = plan.choice(n)
+    if rows == n:
+        return run_kernel(linear, x, kernel)
+    h = x.reshape(n, x.shape[-1])
+    padded = torch.cat([h, h.new_zeros(rows - n, h.shape[1])])
+    return run_kernel(linear, padded, kernel)[:n].reshape(*x.shape[:-1], linear.out_features)
+
+
+def run_kernel(linear: KernelLinear | FusedGroup, x: torch.Tensor, kernel: str) -> torch.Tensor:
     if kernel == "torch" or (kernel == "onednn" and linear.packed is None):
         return F.linear(x, linear.weight, linear.bias)
     lead = x.shape[:-1]
@@ -94,6 +213,9 @@ def run_kernel(linear: KernelLinear, x: torch.Tensor, kernel: str) -> torch.Tens
     return y.reshape(*lead, y.shape[-1])
 
 
+SIBLINGS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))  # read the same input in HF models
+
+
 def kernel_linears(model: nn.Module) -> list[KernelLinear]:
     """Turn every fp32 CPU ``nn.Linear`` of ``model`` into a :class:`KernelLinear` (idempotent)."""
     out = []
@@ -101,19 +223,46 @@ def kernel_linears(model: nn.Module) -> list[KernelLinear]:
         if type(module) is nn.Linear and module.weight.dtype == torch.float32 and module.weight.device.type == "cpu":
             module.__class__ = KernelLinear
             module.packed = None
+            module.group = None
         if isinstance(module, KernelLinear):
             out.append(module)
     return out
 
 
-def _pack(linears: list[KernelLinear]) -> None:
-    for m in linears:
+def fuse_siblings(model: nn.Module) -> list[FusedGroup]:
+    """Fuse each block's sibling projections (:data:`SIBLINGS`) into a :class:`FusedGroup`
+    (idempotent: members already fused are left alone)."""
+    groups = []
+    for module in model.modules():
+        for names in SIBLINGS:
+            members = [getattr(module, name, None) for name in names]
+            if all(isinstance(m, KernelLinear) for m in members):
+                if members[0].group is not None and members[0].group.members == tuple(members):
+                    groups.append(members[0].group)
+                elif FusedGroup.fusable(members):
+                    groups.append(FusedGroup(members))
+    return groups
+
+
+def kernel_calls(model: nn.Module) -> list[KernelLinear | FusedGroup]:
+    """What a forward runs, in model order: each fused group once, every other kernel linear."""
+    calls, seen = [], set()
+    for m in kernel_linears(model):
+        unit = m.group if m.group is not None else m
+        if id(unit) not in seen:
+            seen.add(id(unit))
+            calls.append(unit)
+    return calls
+
+
+def _pack(calls: list) -> None:
+    for m in calls:
         if m.packed is None:
             m.packed = torch.ops.mkldnn._reorder_linear_weight(m.weight.detach(), PACK_HINT)
 
 
-def _unpack(linears: list[KernelLinear]) -> None:
-    for m in linears:
+def _unpack(calls: list) -> None:
+    for m in calls:
         m.packed = None
 
 
@@ -121,49 +270,176 @@ def onednn_available() -> bool:
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 
 
-def _time_all(linears: list[KernelLinear], inputs: dict[int, torch.Tensor], kernel: str, repeats: int) -> float:
-    """Seconds to run every linear once (in model order, so weights stream from memory as in a forward)."""
-    best = float("inf")
-    for _ in range(repeats + 1):  # the first run warms up
-        t0 = time.perf_counter()
-        for m in linears:
-            run_kernel(m, inputs[m.in_features], kernel)
-        best = min(best, time.perf_counter() - t0)
-    return best
+def _time_pass(calls: list, inputs: dict[int, torch.Tensor], kernel: str) -> float:
+    """Seconds to run every call once (in model order, so weights stream from memory as in a forward)."""
+    t0 = time.perf_counter()
+    for m in calls:
+        run_kernel(m, inputs[m.in_features], kernel)
+    return time.perf_counter() - t0
 
 
-def measure_plan(linears: list[KernelLinear], points: tuple[int, ...] = POINTS, repeats: int = 1) -> tuple[KernelPlan, dict]:
+def _cpu_stall() -> float | None:
+    """Seconds for which runnable tasks of this machine have waited for a CPU since boot (Linux
+    pressure stall information, "some"); None where the kernel does not report it."""
+    try:
+        with open("/proc/pressure/cpu") as f:
+            return int(f.readline().rsplit("total=", 1)[1]) / 1e6
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+class Timings:
+    """The fastest sample per (count, kernel), and which pairs had a clean sample: one during which
+    no task of the machine waited for a CPU for more than :data:`STALL_LIMIT` of its time, so other
+    processes did not take our cores. A pair whose samples were all disturbed may look far slower
+    than it is."""
+
+    def __init__(self):
+        self.best: dict[tuple[int, str], float] = {}
+        self.clean: set[tuple[int, str]] = set()
+        self.samples = 0
+        self.disturbed = 0
+
+    def add(self, n: int, kernel: str, seconds: float, disturbed: bool) -> None:
+        self.samples += 1
+        self.best[n, kernel] = min(self.best.get((n, kernel), float("inf")), seconds)
+        if disturbed:
+            self.disturbed += 1
+        else:
+            self.clean.add((n, kernel))
+
+    def table(self) -> dict[int, dict[str, float]]:
+        out: dict[int, dict[str, float]] = {}
+        for (n, k), t in sorted(self.best.items()):
+            out.setdefault(n, {})[k] = t
+        return out
+
+
+def _time_rounds(calls, inputs, kernels_at: dict[int, list[str]], rounds: int, timings: Timings) -> None:
+    """``rounds`` interleaved rounds: every (count, kernel) once per round, kernels in a rotating
+    order and counts alternately ascending and descending, so a slow moment of the machine lands on
+    different pairs in different rounds."""
+    counts = sorted(n for n, ks in kernels_at.items() if ks)
+    for r in range(rounds):
+        for n in (counts if r % 2 == 0 else counts[::-1]):
+            ks = kernels_at[n]
+            for i in range(len(ks)):
+                k = ks[(i + r) % len(ks)]
+                before = _cpu_stall()
+                seconds = _time_pass(calls, inputs[n], k)
+                after = _cpu_stall()
+                disturbed = before is not None and after is not None and after - before > STALL_LIMIT * seconds
+                timings.add(n, k, seconds, disturbed)
+
+
+def suspect_points(seconds: dict[int, dict[str, float]]) -> list[int]:
+    """Counts whose best time exceeds the best time of a larger count by more than :data:`RECHECK`:
+    more rows cost more work, so this is most likely a noisy measurement (it may also be real: a
+    kernel's path for few rows can be slow, which padding then covers)."""
+    points = sorted(seconds)
+    best = {n: min(seconds[n].values()) for n in points}
+    out = []
+    for i, n in enumerate(points):
+        if any(best[n] > RECHECK * best[m] for m in points[i + 1:]):
+            out.append(n)
+    return out
+
+
+def plan_from_seconds(seconds: dict[int, dict[str, float]]) -> KernelPlan:
+    """Per count, the fastest kernel, or the fastest kernel of a larger count with the call padded
+    to that count when that is at least 1 / :data:`PAD_GAIN` times faster."""
+    points = sorted(seconds)
+    best_k = {n: min(seconds[n], key=seconds[n].get) for n in points}
+    best_t = {n: seconds[n][best_k[n]] for n in points}
+    kernels, rows = [], []
+    for i, n in enumerate(points):
+        target = min(points[i:], key=lambda m: (best_t[m], m))
+        if target != n and best_t[target] < PAD_GAIN * best_t[n]:
+            kernels.append(best_k[target])
+            rows.append(target)
+        else:
+            kernels.append(best_k[n])
+            rows.append(n)
+    padded = any(r != n for r, n in zip(rows, points))
+    return KernelPlan(tuple(points), tuple(kernels), tuple(rows) if padded else None)
+
+
+def measure_plan(calls: list, points: tuple[int, ...] = POINTS,
+                 rounds: int = ROUNDS) -> tuple[KernelPlan, dict[int, dict[str, float]], dict[str, float]]:
+    """Time every kernel at every count over ``calls`` (a forward's linears) and build the plan.
+    Returns the plan, the seconds per count and kernel (the fastest clean sample, else the fastest)
+    and how the samples went (count, disturbed, seconds spent)."""
     kernels = [k for k in KERNELS if k != "onednn" or onednn_available()]
     if "onednn" in kernels:
-        _pack(linears)
-    widths = sorted({m.in_features for m in linears})
-    chosen, seconds = [], {}
+        _pack(calls)
+    widths = sorted({m.in_features for m in calls})
+    timings = Timings()
+    start = time.perf_counter()
     with torch.inference_mode():
-        for n in points:
-            inputs = {w: torch.randn(n, w) for w in widths}
-            times = {k: _time_all(linears, inputs, k, repeats) for k in kernels}
-            seconds[n] = times
-            chosen.append(min(times, key=times.get))
-    if "onednn" not in chosen:
-        _unpack(linears)  # the packed copies cost as much memory as the weights
-    return KernelPlan(tuple(points), tuple(chosen)), seconds
+        inputs = {n: {w: torch.randn(n, w) for w in widths} for n in points}
+        shapes = list({(m.out_features, m.in_features, m.bias is not None): m for m in calls}.values())
+        for n in points:  # warm-up: one call per distinct shape (first touches, oneDNN primitive creation)
+            for k in kernels:
+                _time_pass(shapes, inputs[n], k)
+        first = min(2, rounds)
+        _time_rounds(calls, inputs, {n: list(kernels) for n in points}, first, timings)
+        # only kernels that can still win keep being timed (and those only a busy machine has seen)
+        seconds = timings.table()
+        contenders = {n: [k for k in kernels if seconds[n][k] <= CONTENDER * min(seconds[n].values())
+                          or (n, k) not in timings.clean] for n in points}
+        _time_rounds(calls, inputs, contenders, rounds - first, timings)
+        # pairs with no clean sample (the machine was busy each time): again, twice, then for as long
+        # as the measurement took so far (at most MAX_RETRY_SECONDS)
+        deadline = time.perf_counter() + min(MAX_RETRY_SECONDS, time.perf_counter() - start)
+        retry = 0
+        while retry < 2 or time.perf_counter() < deadline:
+            missing = {n: [k for k in contenders[n] if (n, k) not in timings.clean] for n in points}
+            if not any(missing.values()):
+                break
+            _time_rounds(calls, inputs, missing, 1, timings)
+            retry += 1
+        for _ in range(2):  # counts that look slower than a larger count: measured again, with their neighbours
+            suspects = suspect_points(timings.table())
+            if not suspects:
+                break
+            again = set()
+            for n in suspects:
+                i = points.index(n)
+                again.update(points[max(0, i - 1): i + 2])
+            _time_rounds(calls, inputs, {n: contenders[n] for n in sorted(again)}, rounds, timings)
+    seconds = timings.table()
+    plan = plan_from_seconds(seconds)
+    if "onednn" in kernels and "onednn" not in plan.kernels:
+        _unpack(calls)  # the packed copies cost as much memory as the weights
+    info = {"samples": timings.samples, "disturbed": timings.disturbed,
+            "seconds_spent": round(time.perf_counter() - start, 3)}
+    if timings.disturbed:
+        logger.info("kernel timing: %d of %d samples ran while the CPUs were contended", timings.disturbed,
+                    timings.samples)
+    return plan, seconds, info
 
 
-def plan_key(linears: list[KernelLinear]) -> str:
-    shapes = sorted({(m.out_features, m.in_features, m.bias is not None) for m in linears})
-    raw = f"{shapes}|{len(linears)}|{platform.machine()}|{platform.processor()}|threads{torch.get_num_threads()}|{torch.__version__}"
+def plan_key(calls: list) -> str:
+    shapes = sorted({(m.out_features, m.in_features, m.bias is not None) for m in calls})
+    raw = (f"v{PLAN_VERSION}|{shapes}|{len(calls)}|{platform.machine()}|{platform.processor()}"
+           f"|threads{torch.get_num_threads()}|{torch.__version__}")
     return hashlib.sha256(raw.encode()).hexdigest()[:20]
 
 
 def _parse_plan(data: dict) -> KernelPlan:
-    plan = KernelPlan(tuple(data["points"]), tuple(data["kernels"]))
-    if any(k not in KERNELS for k in plan.kernels) or len(plan.points) != len(plan.kernels):
-        raise ValueError("unknown kernel or mismatched lengths")
+    """A cached plan, refused (measured again) unless it is the plan its own recorded seconds give."""
+    if data.get("version") != PLAN_VERSION:
+        raise ValueError(f"plan version {data.get('version')} is not {PLAN_VERSION}")
+    rows = data.get("rows")
+    plan = KernelPlan(tuple(data["points"]), tuple(data["kernels"]), tuple(rows) if rows is not None else None)
+    seconds = {int(n): {k: float(t) for k, t in ts.items()} for n, ts in data["seconds"].items()}
+    if sorted(seconds) != list(plan.points) or plan_from_seconds(seconds) != plan:
+        raise ValueError("the plan does not follow from its recorded timings")
     return plan
 
 
 def select_plan(model: nn.Module) -> KernelPlan | None:
-    """The kernel plan for ``model`` on this CPU: loaded from the cache or measured (a few seconds
+    """The kernel plan for ``model`` on this CPU: loaded from the cache or measured (several seconds
     for SmolLM2-135M). None when the model has no fp32 CPU linears."""
     from tr_serve.disk_cache import load_json, save_json
     from tr_serve.model_loader import cache_root
@@ -171,17 +447,19 @@ def select_plan(model: nn.Module) -> KernelPlan | None:
     cached = getattr(model, "_tr_kernel_plan", None)
     if cached is not None:
         return cached
-    linears = kernel_linears(model)
-    if not linears:
+    if not kernel_linears(model):
         return None
-    path = cache_root() / "kernels" / f"{plan_key(linears)}.json"
+    fuse_siblings(model)
+    calls = kernel_calls(model)
+    path = cache_root() / "kernels" / f"{plan_key(calls)}.json"
     plan = load_json(path, _parse_plan, "kernel plan")
     if plan is None:
         logger.info("measuring CPU linear kernels (cached in %s)", path)
-        plan, seconds = measure_plan(linears)
-        save_json(path, {"points": plan.points, "kernels": plan.kernels,
-                         "seconds": {str(n): t for n, t in seconds.items()}}, "kernel plan")
+        plan, seconds, info = measure_plan(calls)
+        save_json(path, {"version": PLAN_VERSION, "points": plan.points, "kernels": plan.kernels,
+                         "rows": plan.rows, "seconds": {str(n): t for n, t in seconds.items()},
+                         "measurement": info}, "kernel plan")
     elif "onednn" in plan.kernels:
-        _pack(linears)
+        _pack(calls)
     model._tr_kernel_plan = plan
     return plan
