@@ -106,3 +106,14 @@ def test_bench_latency_flag_dispatches(monkeypatch):
     assert args.func(args) == 0
     assert seen and seen[0].latency and seen[0].threads == 2 and seen[0].json_out == "x.json"
     assert parser.parse_args(["bench"]).latency is False
+
+
+def test_table_names_padded_counts():
+    result = {"contexts": [256], "query_tokens": [1, 2], "latency_ms": {"256": {"1": 30.0, "2": 31.5}},
+              "ratio_to_1": {"256": {"1": 1.0, "2": 1.05}}, "rounds": 3, "model": "m", "device": "cpu",
+              "dtype": "float32", "torch_threads": 2, "torch": "2.x", "transformers": "5.x",
+              "kernel_plan": {"per_token_count": {"1": "mkl_nt", "2": "onednn"}, "above": "torch",
+                              "padded_rows": {"2": 4}}}
+    table = latency.markdown(result).splitlines()
+    assert table[2] == "| 1 | 30.0 | 1.00 |" and table[3] == "| 2 | 31.5 | 1.05 |"
+    assert table[-1].endswith("kernels (tokens:kernel): 1:mkl_nt, 2:onednn; padded to 2->4 rows")

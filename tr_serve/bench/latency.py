@@ -116,8 +116,6 @@ def run_latency(loaded, cpu_kernels: str = "auto", contexts: Sequence[int] = CON
         "dtype": str(runner.dtype).replace("torch.", ""),
         **environment(plan, cpu_kernels),
     }
-    if plan is not None and plan.rows is not None:
-        out["kernel_plan_padded_rows"] = {str(n): r for n, r in zip(plan.points, plan.rows) if r != n}
     return out
 
 
@@ -136,8 +134,8 @@ def markdown(result: dict[str, Any]) -> str:
         lines.append(f"| {q} | " + " | ".join(cells) + " |")
     plan = result.get("kernel_plan")
     kernels = plan if isinstance(plan, str) else ", ".join(f"{n}:{k}" for n, k in plan["per_token_count"].items())
-    padded = result.get("kernel_plan_padded_rows")
-    pad = f"; padded rows {padded}" if padded else ""
+    padded = plan.get("padded_rows") if isinstance(plan, dict) else None
+    pad = "; padded to " + ", ".join(f"{n}->{r}" for n, r in padded.items()) + " rows" if padded else ""
     lines.append("")
     lines.append(f"{result['model']} on {result['device']}, {result['dtype']}, {result['torch_threads']} threads, "
                  f"torch {result['torch']}, transformers {result['transformers']}; min of {result['rounds']} "
