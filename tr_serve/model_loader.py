@@ -118,6 +118,27 @@ def _load_gguf(gguf: Path, dtype: torch.dtype):
     return model.to(dtype), tokenizer
 
 
+def ensure_gguf_safetensors(gguf: Path) -> Path:
+    """The cached safetensors conversion of ``gguf`` (a folder with ``config.json``, the
+    safetensors files and the tokenizer), converted now if missing. Tensor-parallel ranks call it
+    together: a file lock lets one convert while the others wait, then read the same folder."""
+    import fcntl
+
+    cached = cache_root() / "gguf" / _file_hash(gguf)
+    if (cached / "config.json").exists() and any(cached.glob("*.safetensors")):
+        return cached
+    cached.parent.mkdir(parents=True, exist_ok=True)
+    with open(cached.parent / f".{cached.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not ((cached / "config.json").exists() and any(cached.glob("*.safetensors"))):
+            model, _ = _load_gguf(gguf, torch.float32)
+            del model
+        if not (cached / "config.json").exists():
+            raise OSError(f"could not write the safetensors conversion of {gguf} to {cached} (see the log); "
+                          "tensor-parallel loading reads that conversion")
+    return cached
+
+
 def load_model(model: str, device: str = "cpu", dtype: str | torch.dtype | None = None,
                attn_implementation: str = "sdpa") -> LoadedModel:
     """Load ``model`` (directory, ``.gguf`` file, hub id, or ``smollm2-135m-instruct``) for inference."""

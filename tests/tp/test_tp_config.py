@@ -29,6 +29,7 @@ def test_cpu_tp_yaml_reserves_the_replica_and_three_workers():
     cfg = TRServeConfig.from_args(config["applications"][0]["args"])
     assert cfg.tensor_parallel_size == 3 and cfg.tree == "top4" and cfg.device == "cpu"
     opts = cfg.server_deployment_options()
-    assert opts["placement_group_bundles"] == [{"CPU": 1}] * 4  # bundle 0: replica; 1..3: workers
+    assert opts["placement_group_bundles"] == [{"CPU": 0.5}] * 4  # bundle 0: replica; 1..3: workers
+    assert sum(b["CPU"] for b in opts["placement_group_bundles"]) <= 2  # schedulable on a 2-core machine
     assert opts["placement_group_strategy"] == "STRICT_PACK"
-    assert opts["ray_actor_options"]["num_cpus"] == 1
+    assert opts["ray_actor_options"]["num_cpus"] == 0.5

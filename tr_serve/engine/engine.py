@@ -92,7 +92,7 @@ class Engine:
             raise ValueError(f"request id {request_id!r} is already in use")
         req = Request(request_id, list(prompt_ids), params, IncrementalDetokenizer(self.tokenizer))
         if not params.greedy:
-            req.generator = torch.Generator(device="cpu")
+            req.generator = torch.Generator(device=self.runner.device)  # multinomial needs it on the logits' device
             req.generator.manual_seed(params.seed if params.seed is not None else torch.seed())
         req.stats.prompt_tokens = len(prompt_ids)
         self.waiting.append(req)
@@ -193,7 +193,7 @@ class Engine:
         p = req.params
         if p.greedy:
             return int(logits.argmax())
-        return sample_token(process_logits(logits.cpu(), p.temperature, p.top_k, p.top_p), req.generator)
+        return sample_token(process_logits(logits, p.temperature, p.top_k, p.top_p), req.generator)  # on the device
 
     def _draft(self, batch: list[Request]) -> DraftBatch:
         roots = torch.tensor([r.last_token for r in batch])

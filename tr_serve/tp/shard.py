@@ -31,7 +31,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-SUPPORTED_MODEL_TYPES = ("llama",)
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")  # same layer layout; qwen2 adds q/k/v biases
 
 
 class ShardingError(ValueError):
@@ -44,8 +44,8 @@ def check_shardable(config, world_size: int) -> None:
         raise ShardingError(f"tensor_parallel_size must be >= 1, got {world_size}")
     model_type = getattr(config, "model_type", None)
     if model_type not in SUPPORTED_MODEL_TYPES:
-        raise ShardingError(f"tensor parallelism supports model types {list(SUPPORTED_MODEL_TYPES)}, "
-                            f"not {model_type!r}")
+        raise ShardingError(f"tensor parallelism supports the model types {list(SUPPORTED_MODEL_TYPES)}; this model's "
+                            f"model_type is {model_type!r}")
     heads = config.num_attention_heads
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
     problems = []
@@ -95,7 +95,7 @@ def all_reduce_hook(group=None):
 
 
 def shard_model(model: nn.Module, rank: int, world_size: int, group=None, reduce: bool = True) -> nn.Module:
-    """Shard ``model`` (a ``LlamaForCausalLM``) in place for ``rank`` of ``world_size`` and return it.
+    """Shard ``model`` (a ``LlamaForCausalLM``, ``MistralForCausalLM`` or ``Qwen2ForCausalLM``) in place for ``rank`` of ``world_size`` and return it.
 
     With ``reduce`` the row-parallel layers all-reduce their output over ``group`` (the default
     process group when None); without it they return partial sums (for tests without a group).

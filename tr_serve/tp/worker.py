@@ -126,7 +126,7 @@ class TPWorker:
         import torch.distributed as dist
 
         from tr_serve.engine.engine import Engine
-        from tr_serve.model_loader import LoadedModel, load_model, parse_dtype
+        from tr_serve.model_loader import LoadedModel, parse_dtype
         from tr_serve.tp.shard import check_shardable, shard_model
 
         cuda = config.device.startswith("cuda")
@@ -134,11 +134,15 @@ class TPWorker:
         config = dataclasses.replace(config, device=device)
         if cuda:
             torch.cuda.set_device(0)
-        if isinstance(model, LoadedModel):
+        sharded = None
+        if isinstance(model, LoadedModel):  # shipped whole (small models, tests): sliced below
             loaded = model
-        else:  # load on the CPU, keep this rank's slices, then move them: one full copy in host memory
-            loaded = load_model(model, "cpu", parse_dtype(config.dtype, device))
-        check_shardable(loaded.model.config, self.world_size)
+            check_shardable(loaded.model.config, self.world_size)
+        else:  # only this rank's slices are read, straight to the device (tr_serve/tp/loading.py)
+            from tr_serve.tp.loading import load_sharded_model
+
+            sharded = load_sharded_model(model, self.rank, self.world_size, parse_dtype(config.dtype, device),
+                                         device)
         backend = "nccl" if cuda else "gloo"
         if backend == "gloo" and loopback:
             lo = loopback_interface()
@@ -146,9 +150,12 @@ class TPWorker:
                 os.environ.setdefault("GLOO_SOCKET_IFNAME", lo)
         dist.init_process_group(backend, init_method=init_method, rank=self.rank, world_size=self.world_size,
                                 timeout=timedelta(seconds=timeout_s))
-        model_ = shard_model(loaded.model, self.rank, self.world_size)
-        model_.to(device)
-        loaded = LoadedModel(model_, loaded.tokenizer, loaded.model_id, loaded.eos_token_ids)
+        if sharded is None:
+            model_ = shard_model(loaded.model, self.rank, self.world_size)
+            model_.to(device)
+            loaded = LoadedModel(model_, loaded.tokenizer, loaded.model_id, loaded.eos_token_ids)
+        else:
+            loaded, model_ = sharded, sharded.model
         with shared_calibration(self.rank, self.world_size):
             # ranks must choose the same tree budget: no per-rank timing corrections online
             self.engine = Engine(loaded, dataclasses.replace(config, online_latency=False))

@@ -32,6 +32,7 @@ def process_logits(logits: torch.Tensor, temperature: float, top_k: int, top_p: 
 
 
 def sample_token(probs: torch.Tensor, generator: torch.Generator | None) -> int:
+    """One draw from ``probs`` on its own device; ``generator`` must live on that device."""
     return int(torch.multinomial(probs, 1, generator=generator))
 
 
@@ -39,7 +40,9 @@ def walk_tree(draft: torch.Tensor, logits: torch.Tensor, tree: CompiledTree | li
               top_k: int, top_p: float, generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor]:
     """One row: draft [n+1] tokens, logits [n+1, V], and the tree (or its children lists,
     ``children[i]`` = nodes under node i). Returns (accepted node indices with the root first,
-    emitted tokens: one draw per accepted node)."""
+    emitted tokens: one draw per accepted node). Every draw runs on the logits' device with
+    ``generator`` (which must live there); the two results are host index tensors built from the
+    drawn ints, like greedy acceptance's (the KV compaction and the output read them on the host)."""
     children = tree.children if isinstance(tree, CompiledTree) else tree
     node, nodes, emitted = 0, [0], []
     draft_list = draft.tolist()
@@ -48,6 +51,6 @@ def walk_tree(draft: torch.Tensor, logits: torch.Tensor, tree: CompiledTree | li
         emitted.append(token)
         child = next((c for c in children[node] if draft_list[c] == token), None)
         if child is None:
-            return torch.tensor(nodes), torch.tensor(emitted)
+            return torch.tensor(nodes, device="cpu"), torch.tensor(emitted, device="cpu")
         node = child
         nodes.append(child)
