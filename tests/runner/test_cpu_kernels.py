@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 import torch
@@ -19,14 +20,17 @@ def _linear(out_f: int, in_f: int, bias: bool, seed: int = 0) -> nn.Linear:
     return nn.Linear(in_f, out_f, bias=bias).requires_grad_(False)
 
 
-@pytest.mark.parametrize("kernel", ["mkl_nt", "onednn", "torch"])
+@pytest.mark.parametrize("kernel", ["mkl_nt", "onednn", "torch", "panel"])
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("n", [1, 2, 3, 8, 33])
 def test_every_kernel_matches_f_linear(kernel, bias, n):
+    if kernel == "panel" and "panel" not in ck.available_kernels():
+        pytest.skip("no C compiler for the panel GEMM")
     lin = _linear(96, 40, bias)
     model = nn.Sequential(lin)
     [m] = ck.kernel_linears(model)
     ck._pack([m])
+    ck._pack([m], "panel")
     x = torch.randn(1, n, 40)
     got = ck.run_kernel(m, x, kernel)
     want = F.linear(x, lin.weight, lin.bias)
@@ -89,18 +93,23 @@ def test_runner_logits_match_torch_kernels(tokenizer):
 
     model = tiny_loaded(tokenizer, seed=5, init_range=0.05).model
     plan = ck.KernelPlan(points=(1, 2, 64), kernels=("mkl_nt", "mkl_nt", "onednn"))
-    ck._pack(ck.kernel_linears(model))
+    panel = ck.KernelPlan(points=(64,), kernels=("panel",))
+    ck.kernel_linears(model)
+    ck.fuse_siblings(model)
+    ck._pack(ck.kernel_calls(model))
+    ck._pack(ck.kernel_calls(model), "panel")
     prompt = [[5, 17, 99, 3, 250, 8]]
     tokens = torch.tensor([[7, 9, 11, 13]])
     depths = torch.tensor([0, 1, 1, 2])
     tree = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 1, 0, 1]], dtype=torch.bool)
     results = []
-    for p in (None, plan):
+    for p in (None, plan, panel):
         runner = ModelRunner(model, 1, 32, kernel_plan=p)
         last, _ = runner.prefill(torch.tensor([0]), prompt)
         results.append((last, runner.verify(torch.tensor([0]), tokens, depths, tree)))
-    torch.testing.assert_close(results[1][0], results[0][0], rtol=1e-4, atol=1e-4)
-    torch.testing.assert_close(results[1][1], results[0][1], rtol=1e-4, atol=1e-4)
+    for i in (1, 2):
+        torch.testing.assert_close(results[i][0], results[0][0], rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(results[i][1], results[0][1], rtol=1e-4, atol=1e-4)
 
 
 def test_engine_uses_a_plan_only_for_fp32_cpu_auto(tokenizer, tmp_path, monkeypatch):
@@ -146,6 +155,22 @@ def test_plan_pads_a_count_up_to_a_faster_larger_count():
     assert ck.plan_from_seconds(close) == ck.KernelPlan((1, 2, 4), ("mkl_nt", "mkl_nt", "onednn"))
 
 
+def test_plan_keeps_one_prepacked_copy_of_the_weights():
+    """oneDNN best at 2 rows, the panel GEMM at 4 and 8: both would keep a repacked copy of every
+    weight. The plan drops the one whose absence costs least (here oneDNN: at 2 rows mkl_nt is
+    almost as fast)."""
+    seconds = {1: {"mkl_nt": 20.0, "onednn": 28.0, "panel": 22.0},
+               2: {"mkl_nt": 20.5, "onednn": 20.0, "panel": 21.0},
+               4: {"mkl_nt": 26.0, "onednn": 24.0, "panel": 20.5},
+               8: {"mkl_nt": 43.0, "onednn": 28.0, "panel": 21.5}}
+    plan = ck.plan_from_seconds(seconds)
+    assert plan == ck.KernelPlan((1, 2, 4, 8), ("mkl_nt", "mkl_nt", "panel", "panel"))
+    # where dropping the panel GEMM costs least, oneDNN stays
+    seconds[4]["panel"], seconds[8]["panel"] = 23.9, 27.9
+    assert ck.plan_from_seconds(seconds).kernels == ("mkl_nt", "onednn", "onednn", "onednn")
+    assert ck._fastest_plan(seconds)[0].kernels == ("mkl_nt", "onednn", "panel", "panel")
+
+
 def test_plan_validation():
     with pytest.raises(ValueError):
         ck.KernelPlan((1, 2), ("torch",))
@@ -165,17 +190,18 @@ def test_measure_plan_interleaves_and_outlasts_one_noisy_sample(monkeypatch):
     true[3] = {"torch": 9.0, "mkl_nt": 9.0, "onednn": 9.0}  # really slow for every kernel at 3 rows
     log = []
 
-    def fake_pass(calls, inputs, kernel):
+    def fake_pass(calls, inputs, kernel, clock=None):
         n = next(iter(inputs.values())).shape[0]
         log.append((n, kernel))
         spike = 50.0 if (n, kernel) == (2, "onednn") and log.count((2, "onednn")) == 2 else 0.0  # 1st timed
         return true[n][kernel] + spike
 
     monkeypatch.setattr(ck, "_time_pass", fake_pass)
-    monkeypatch.setattr(ck, "onednn_available", lambda: True)
+    monkeypatch.setattr(ck, "available_kernels", lambda: ["torch", "mkl_nt", "onednn"])
     model = nn.Sequential(_linear(16, 8, False), _linear(8, 16, False))
     calls = ck.kernel_calls(model)
     monkeypatch.setattr(ck, "_cpu_stall", lambda: None)  # no pressure information: every sample counts
+    monkeypatch.setattr(ck, "_cpu_busy", lambda: None)
     plan, seconds, info = ck.measure_plan(calls, points=(1, 2, 3, 4, 8), rounds=4)
     assert info["disturbed"] == 0 and info["samples"] == len(log) - 15
     assert plan.kernel_for(2) == "onednn" and seconds[2]["onednn"] == 2.2
@@ -193,13 +219,13 @@ def test_measure_plan_interleaves_and_outlasts_one_noisy_sample(monkeypatch):
 
 def test_measure_plan_times_again_what_only_a_busy_machine_saw(monkeypatch):
     """Every sample of (2, onednn) in the regular rounds runs while other processes hold the CPUs
-    (pressure stall > 5% of the sample): inflated 10x, it would lose to mkl_nt. It is timed again
+    (pressure stall over STALL_LIMIT of the sample): inflated 10x, it would lose to mkl_nt. It is timed again
     until a clean sample comes."""
     true = {1: {"torch": 5.0, "mkl_nt": 2.0, "onednn": 3.0}, 2: {"torch": 7.0, "mkl_nt": 3.0, "onednn": 2.2},
             4: {"torch": 7.0, "mkl_nt": 3.5, "onednn": 2.3}}
     state = {"stall": 0.0, "onednn2": 0}
 
-    def fake_pass(calls, inputs, kernel):
+    def fake_pass(calls, inputs, kernel, clock=None):
         n = next(iter(inputs.values())).shape[0]
         t = true[n][kernel]
         if (n, kernel) == (2, "onednn"):
@@ -211,7 +237,8 @@ def test_measure_plan_times_again_what_only_a_busy_machine_saw(monkeypatch):
 
     monkeypatch.setattr(ck, "_time_pass", fake_pass)
     monkeypatch.setattr(ck, "_cpu_stall", lambda: state["stall"])
-    monkeypatch.setattr(ck, "onednn_available", lambda: True)
+    monkeypatch.setattr(ck, "_cpu_busy", lambda: 0.0)
+    monkeypatch.setattr(ck, "available_kernels", lambda: ["torch", "mkl_nt", "onednn"])
     model = nn.Sequential(_linear(16, 8, False), _linear(8, 16, False))
     plan, seconds, info = ck.measure_plan(ck.kernel_calls(model), points=(1, 2, 4), rounds=4)
     assert state["onednn2"] == 6  # warm-up, the 4 disturbed rounds, then one clean retry
@@ -219,12 +246,85 @@ def test_measure_plan_times_again_what_only_a_busy_machine_saw(monkeypatch):
     assert plan.kernel_for(2) == "onednn"
 
 
+def test_measurement_stops_adding_rounds_after_its_time_budget(monkeypatch):
+    """With no time left after the first round, every (count, kernel) is timed once, no more."""
+    true = {"torch": 3.0, "mkl_nt": 1.0, "onednn": 2.0}
+    monkeypatch.setattr(ck, "_time_pass", lambda calls, inputs, kernel, clock=None:
+                        true[kernel] * next(iter(inputs.values())).shape[0])
+    monkeypatch.setattr(ck, "_cpu_stall", lambda: 0.0)
+    monkeypatch.setattr(ck, "_cpu_busy", lambda: 0.0)
+    monkeypatch.setattr(ck, "available_kernels", lambda: ["torch", "mkl_nt", "onednn"])
+    monkeypatch.setattr(ck, "MEASURE_SECONDS", 0.0)
+    model = nn.Sequential(_linear(16, 8, False), _linear(8, 16, False))
+    plan, seconds, info = ck.measure_plan(ck.kernel_calls(model), points=(1, 2, 4), rounds=5)
+    assert info["samples"] == 9 and info["disturbed"] == 0 and not info["provisional"]
+    assert plan.kernels == ("mkl_nt", "mkl_nt", "mkl_nt")
+
+
+@pytest.mark.parametrize("how", ["pressure before", "first round disturbed"])
+def test_busy_machine_ranks_kernels_on_one_thread_by_cpu_time(monkeypatch, how):
+    """Wall time on a busy machine ranks torch first (its samples happened to be less delayed);
+    the proxy, one thread's CPU time, ranks the kernels as they are; the plan is provisional."""
+    true = {"torch": 3.0, "mkl_nt": 1.0, "onednn": 2.0}
+    wall = {"torch": 5.0, "mkl_nt": 9.0, "onednn": 8.0}
+    state = {"stall": 0.0, "threads": [], "wall": 0}
+
+    def fake_pass(calls, inputs, kernel, clock=None):
+        n = next(iter(inputs.values())).shape[0]
+        if clock is None:  # wall time, all of it stalled
+            state["wall"] += 1
+            state["stall"] += wall[kernel] * n
+            return wall[kernel] * n
+        assert clock is time.thread_time
+        state["threads"].append(torch.get_num_threads())
+        return true[kernel] * n
+
+    monkeypatch.setattr(ck, "_time_pass", fake_pass)
+    monkeypatch.setattr(ck, "_cpu_stall", lambda: state["stall"])
+    monkeypatch.setattr(ck, "_cpu_busy", lambda: 0.9 if how == "pressure before" else 0.0)
+    monkeypatch.setattr(ck, "available_kernels", lambda: ["torch", "mkl_nt", "onednn"])
+    threads = torch.get_num_threads()
+    model = nn.Sequential(_linear(16, 8, False), _linear(8, 16, False))
+    plan, seconds, info = ck.measure_plan(ck.kernel_calls(model), points=(1, 2, 4), rounds=3)
+    assert plan.kernels == ("mkl_nt", "mkl_nt", "mkl_nt") and seconds[4] == {"torch": 12.0, "mkl_nt": 4.0,
+                                                                             "onednn": 8.0}
+    assert info["provisional"] and info["clock"].startswith("one thread")
+    # wall-time passes: the warm-up (9), then the first round is given up after 8 disturbed samples
+    assert state["wall"] == (9 if how == "pressure before" else 9 + 8)
+    assert state["threads"] and set(state["threads"]) == {1}  # measured on one thread ...
+    assert torch.get_num_threads() == threads  # ... then the thread count is restored
+
+
+def test_provisional_plan_is_measured_again_on_a_quiet_machine(tmp_path, monkeypatch):
+    monkeypatch.setenv("TR_SERVE_CACHE", str(tmp_path))
+    measured = []
+    real = ck.measure_plan
+
+    def measure(calls):
+        plan, seconds, info = real(calls, points=(1, 2), rounds=1)
+        measured.append(1)
+        return plan, seconds, {**info, "provisional": len(measured) == 1}  # the first one ran on a busy machine
+
+    monkeypatch.setattr(ck, "measure_plan", measure)
+    shapes = lambda: nn.Sequential(_linear(16, 8, False), _linear(8, 16, True))  # noqa: E731
+    monkeypatch.setattr(ck, "_cpu_busy", lambda: 0.40)
+    ck.select_plan(shapes())
+    ck.select_plan(shapes())
+    assert measured == [1]  # still busy: the provisional plan is used
+    monkeypatch.setattr(ck, "_cpu_busy", lambda: 0.01)
+    ck.select_plan(shapes())
+    assert measured == [1, 1]  # quiet now: measured again, no longer provisional
+    ck.select_plan(shapes())
+    assert measured == [1, 1]
+
+
 def test_cached_plan_must_follow_from_its_timings(tmp_path, monkeypatch):
     monkeypatch.setenv("TR_SERVE_CACHE", str(tmp_path))
     good = ck.plan_from_seconds(NOISY)
     data = {"version": ck.PLAN_VERSION, "points": good.points, "kernels": good.kernels, "rows": good.rows,
             "seconds": {str(n): t for n, t in NOISY.items()}}
-    assert ck._parse_plan(json.loads(json.dumps(data))) == good
+    assert ck._parse_plan(json.loads(json.dumps(data))) == (good, False)
+    assert ck._parse_plan({**data, "measurement": {"provisional": True}}) == (good, True)
     for bad in ({**data, "version": 1}, {k: v for k, v in data.items() if k != "version"},
                 {**data, "kernels": ["mkl_nt", "torch", "onednn", "onednn", "onednn"], "rows": None}):
         with pytest.raises(ValueError):

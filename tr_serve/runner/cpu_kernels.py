@@ -2,12 +2,15 @@
 
 Why: torch's fp32 ``F.linear`` on CPU calls MKL sgemm, whose small-M paths are slow on some CPUs
 (measured on this 2-core AMD EPYC: the model's linears cost 46 ms for 1 token, 73 ms for 2, 67 ms
-for 8). Two other kernels already in torch compute the same fp32 dot products much faster:
+for 8). Other kernels compute the same fp32 dot products much faster:
 
 - ``mkl_nt``: ``weight @ x.T`` (MKL's tall-skinny path; one row is padded to two, because MKL's
   one-row path is a slow GEMV);
 - ``onednn``: oneDNN's linear on a weight prepacked once (``torch.ops.mkldnn``), which keeps the
-  cost almost flat from 3 to 16 tokens.
+  cost almost flat from 3 to 16 tokens;
+- ``panel``: this package's small-M GEMM on weights prepacked in 16-wide panels, compiled for this
+  CPU at start-up when a C compiler is there (:mod:`tr_serve.runner.panel_gemm`): every weight read
+  once per call feeds all rows, so 8 rows cost about what 1 does and 16 rows little more.
 
 Sibling projections that read the same input (an attention block's q/k/v, an MLP's gate/up) run as
 one GEMM over their concatenated weights (:class:`FusedGroup`): one pass over the input, fewer and
@@ -17,13 +20,16 @@ row, in fp32.
 Which kernel wins depends on the CPU and the token count, so :func:`select_plan` measures every
 kernel on the model's own linear calls at start-up (cached on disk) and keeps, per token count, the
 fastest; a count may also run padded to a larger measured count when that is faster (oneDNN's
-one-row path, for one, is slower than its four-row one). Timing is interleaved over kernels and
-counts and repeated (min of N); a pair whose every sample ran while other processes held the CPUs
-(Linux pressure stall information) is timed again, and counts whose best time is far above a larger
-count's are measured again, so that one noisy moment at start-up is not cached forever (a plan
-measured by older code is never reused: :data:`PLAN_VERSION` is in the cache key). Results are fp32 like
-torch's, with a different summation order: rounding-level differences only, exactly as between
-torch's own kernels for different batch shapes.
+one-row path, for one, is slower than its four-row one), and at most one prepacked copy of the
+weights is kept (:func:`plan_from_seconds`). Timing is interleaved over kernels and counts and
+repeated (min of N); a pair whose every sample ran while other processes held the CPUs (Linux
+pressure stall information) is timed again, and counts whose best time is far above a larger
+count's are measured again, so that one noisy moment at start-up is not cached forever. A
+measurement stops after :data:`MEASURE_SECONDS`; one taken mostly on a busy machine is cached as
+provisional and measured again at a later start on a quiet machine, and a plan measured by older
+code is never reused (:data:`PLAN_VERSION` is in the cache key). Results are fp32 like torch's, with
+a different summation order: rounding-level differences only, exactly as between torch's own
+kernels for different batch shapes.
 
 The plan is active only inside :func:`KernelPlan.active` (the runner's forwards), so the same model
 object used elsewhere, e.g. ``model.generate`` as the lossless reference, keeps torch's kernels.
@@ -45,18 +51,24 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tr_serve.runner import panel_gemm
+
 logger = logging.getLogger(__name__)
 
-KERNELS = ("torch", "mkl_nt", "onednn")
+KERNELS = ("torch", "mkl_nt", "onednn", "panel")
+PREPACKED = ("onednn", "panel")  # kernels that keep a repacked copy of every weight (memory: one more model)
 POINTS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128)  # token counts measured; above the last: torch
 PACK_HINT = 8  # oneDNN picks its weight layout for this many rows; measured flat from 3 to 16 here
-PLAN_VERSION = 3  # part of the cache key: plans measured by older code (one noisy run each) are measured again
+PLAN_VERSION = 6  # part of the cache key: plans measured by older code (one noisy run each) are measured again
 ROUNDS = 5  # interleaved timing rounds per (count, kernel); the minimum is kept
 CONTENDER = 1.5  # after two rounds, kernels slower than this times the best at a count stop being timed there
 RECHECK = 1.10  # a count whose best time exceeds a larger count's by this factor is measured again
 PAD_GAIN = 0.95  # pad a count up to a larger measured one only when that is at least 5% faster
-STALL_LIMIT = 0.05  # a sample during which tasks waited for a CPU over 5% of its time was disturbed
+STALL_LIMIT = 0.25  # a sample during which tasks waited for a CPU over 25% of its time was disturbed
 MAX_RETRY_SECONDS = 30.0  # time spent re-timing pairs that only had disturbed samples, at most
+MEASURE_SECONDS = 90.0  # a measurement stops adding rounds after this long (a busy machine slows every pass)
+BUSY_SHARE = 0.5  # a plan with more disturbed samples is provisional: measured again at a quiet start
+QUIET_SHARE = 0.05  # quiet: tasks waited for a CPU less than 5% of the last 10 s
 
 _state = threading.local()
 
@@ -108,7 +120,8 @@ class KernelLinear(nn.Linear):
     """An ``nn.Linear`` whose forward follows the active :class:`KernelPlan` (torch's when none is).
     Swapped in by changing ``__class__``, so weights, hooks and sharding stay as they are."""
 
-    packed: torch.Tensor | None
+    packed: torch.Tensor | None  # oneDNN's prepacked weight
+    panels: torch.Tensor | None  # the panel GEMM's prepacked weight
     group: "FusedGroup | None"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -147,6 +160,7 @@ class FusedGroup:
         if any(has_bias) and not all(has_bias):
             raise ValueError("members must all have a bias or none")
         self.packed: torch.Tensor | None = None
+        self.panels: torch.Tensor | None = None
 
     @staticmethod
     def fusable(members: list[nn.Module]) -> bool:
@@ -198,8 +212,10 @@ def run_planned(linear: KernelLinear | FusedGroup, x: torch.Tensor, plan: Kernel
 
 
 def run_kernel(linear: KernelLinear | FusedGroup, x: torch.Tensor, kernel: str) -> torch.Tensor:
-    if kernel == "torch" or (kernel == "onednn" and linear.packed is None):
+    if kernel == "torch" or (kernel == "onednn" and linear.packed is None) or (kernel == "panel" and linear.panels is None):
         return F.linear(x, linear.weight, linear.bias)
+    if kernel == "panel":
+        return panel_gemm.linear(x, linear.panels, linear.out_features, linear.bias)
     lead = x.shape[:-1]
     h = x.reshape(-1, x.shape[-1]).contiguous()  # [n, in]
     if kernel == "onednn":
@@ -223,6 +239,7 @@ def kernel_linears(model: nn.Module) -> list[KernelLinear]:
         if type(module) is nn.Linear and module.weight.dtype == torch.float32 and module.weight.device.type == "cpu":
             module.__class__ = KernelLinear
             module.packed = None
+            module.panels = None
             module.group = None
         if isinstance(module, KernelLinear):
             out.append(module)
@@ -255,27 +272,43 @@ def kernel_calls(model: nn.Module) -> list[KernelLinear | FusedGroup]:
     return calls
 
 
-def _pack(calls: list) -> None:
+def _pack(calls: list, kernel: str = "onednn") -> None:
+    """Prepack every call's weight for ``kernel`` ("onednn" or "panel")."""
     for m in calls:
-        if m.packed is None:
+        if kernel == "onednn" and m.packed is None:
             m.packed = torch.ops.mkldnn._reorder_linear_weight(m.weight.detach(), PACK_HINT)
+        elif kernel == "panel" and m.panels is None:
+            m.panels = panel_gemm.pack(m.weight)
 
 
-def _unpack(calls: list) -> None:
+def _unpack(calls: list, kernel: str = "onednn") -> None:
     for m in calls:
-        m.packed = None
+        if kernel == "onednn":
+            m.packed = None
+        else:
+            m.panels = None
 
 
 def onednn_available() -> bool:
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 
 
-def _time_pass(calls: list, inputs: dict[int, torch.Tensor], kernel: str) -> float:
+def available_kernels() -> list[str]:
+    """The kernels this machine can run, in :data:`KERNELS` order."""
+    out = ["torch", "mkl_nt"]
+    if onednn_available():
+        out.append("onednn")
+    if panel_gemm.load() is not None:
+        out.append("panel")
+    return out
+
+
+def _time_pass(calls: list, inputs: dict[int, torch.Tensor], kernel: str, clock=time.perf_counter) -> float:
     """Seconds to run every call once (in model order, so weights stream from memory as in a forward)."""
-    t0 = time.perf_counter()
+    t0 = clock()
     for m in calls:
         run_kernel(m, inputs[m.in_features], kernel)
-    return time.perf_counter() - t0
+    return clock() - t0
 
 
 def _cpu_stall() -> float | None:
@@ -315,21 +348,30 @@ class Timings:
         return out
 
 
-def _time_rounds(calls, inputs, kernels_at: dict[int, list[str]], rounds: int, timings: Timings) -> None:
+def _time_rounds(calls, inputs, kernels_at: dict[int, list[str]], rounds: int, timings: Timings,
+                 deadline: float = float("inf"), clock=None, first_round: int = 0, stop=None) -> None:
     """``rounds`` interleaved rounds: every (count, kernel) once per round, kernels in a rotating
     order and counts alternately ascending and descending, so a slow moment of the machine lands on
-    different pairs in different rounds."""
+    different pairs in different rounds. After ``deadline`` (perf_counter) only pairs never timed
+    are timed; ``stop(timings)`` True after a sample ends the rounds."""
     counts = sorted(n for n, ks in kernels_at.items() if ks)
-    for r in range(rounds):
+    for r in range(first_round, first_round + rounds):
         for n in (counts if r % 2 == 0 else counts[::-1]):
             ks = kernels_at[n]
             for i in range(len(ks)):
                 k = ks[(i + r) % len(ks)]
+                if (n, k) in timings.best and time.perf_counter() > deadline:
+                    continue
+                if clock is not None:  # CPU time: descheduling does not count, nothing to check
+                    timings.add(n, k, _time_pass(calls, inputs[n], k, clock), False)
+                    continue
                 before = _cpu_stall()
                 seconds = _time_pass(calls, inputs[n], k)
                 after = _cpu_stall()
                 disturbed = before is not None and after is not None and after - before > STALL_LIMIT * seconds
                 timings.add(n, k, seconds, disturbed)
+                if stop is not None and stop(timings):
+                    return
 
 
 def suspect_points(seconds: dict[int, dict[str, float]]) -> list[int]:
@@ -345,75 +387,128 @@ def suspect_points(seconds: dict[int, dict[str, float]]) -> list[int]:
     return out
 
 
-def plan_from_seconds(seconds: dict[int, dict[str, float]]) -> KernelPlan:
+def _fastest_plan(seconds: dict[int, dict[str, float]]) -> tuple[KernelPlan, list[float]]:
     """Per count, the fastest kernel, or the fastest kernel of a larger count with the call padded
-    to that count when that is at least 1 / :data:`PAD_GAIN` times faster."""
+    to that count when that is at least 1 / :data:`PAD_GAIN` times faster; with each count's time."""
     points = sorted(seconds)
     best_k = {n: min(seconds[n], key=seconds[n].get) for n in points}
     best_t = {n: seconds[n][best_k[n]] for n in points}
-    kernels, rows = [], []
+    kernels, rows, times = [], [], []
     for i, n in enumerate(points):
         target = min(points[i:], key=lambda m: (best_t[m], m))
-        if target != n and best_t[target] < PAD_GAIN * best_t[n]:
-            kernels.append(best_k[target])
-            rows.append(target)
-        else:
-            kernels.append(best_k[n])
-            rows.append(n)
+        chosen = target if target != n and best_t[target] < PAD_GAIN * best_t[n] else n
+        kernels.append(best_k[chosen])
+        rows.append(chosen)
+        times.append(best_t[chosen])
     padded = any(r != n for r, n in zip(rows, points))
-    return KernelPlan(tuple(points), tuple(kernels), tuple(rows) if padded else None)
+    return KernelPlan(tuple(points), tuple(kernels), tuple(rows) if padded else None), times
+
+
+def plan_from_seconds(seconds: dict[int, dict[str, float]]) -> KernelPlan:
+    """The fastest plan (:func:`_fastest_plan`) that keeps at most one prepacked copy of the weights
+    (:data:`PREPACKED`): when the fastest uses two, the plan without one of them that loses least
+    (sum over counts of its time over the fastest plan's time)."""
+    plan, times = _fastest_plan(seconds)
+    used = [k for k in PREPACKED if k in plan.kernels]
+    if len(used) <= 1:
+        return plan
+    options = []
+    for drop in used:
+        kept = {n: {k: t for k, t in ts.items() if k != drop} for n, ts in seconds.items()}
+        alt, alt_times = _fastest_plan(kept)
+        loss = sum(a / b for a, b in zip(alt_times, times))
+        options.append((loss, PREPACKED.index(drop), alt))
+    return min(options, key=lambda o: o[:2])[2]
+
+
+def _measure(calls, inputs, kernels: list[str], points: tuple[int, ...], rounds: int, deadline: float,
+             clock=None, timings: Timings | None = None, done: int = 0) -> Timings:
+    """The timing schedule: ``min(2, rounds)`` interleaved rounds of every kernel (``done`` of them
+    already in ``timings``), then the other rounds for the kernels that can still win; pairs with no
+    clean sample again; counts slower than a larger count again. ``clock`` None: wall time with
+    stall checks; else that (CPU-time) clock."""
+    timings = timings if timings is not None else Timings()
+    start = time.perf_counter()
+    first = min(2, rounds)
+    _time_rounds(calls, inputs, {n: list(kernels) for n in points}, first - done, timings, deadline, clock, done)
+    # only kernels that can still win keep being timed (and those only a busy machine has seen)
+    seconds = timings.table()
+    contenders = {n: [k for k in kernels if seconds[n][k] <= CONTENDER * min(seconds[n].values())
+                      or (n, k) not in timings.clean] for n in points}
+    _time_rounds(calls, inputs, contenders, rounds - first, timings, deadline, clock, first)
+    # pairs with no clean sample (the machine was busy each time): again, twice, then for as long as
+    # the measurement took so far (at most MAX_RETRY_SECONDS), all within the deadline
+    retry_until = min(deadline, time.perf_counter() + min(MAX_RETRY_SECONDS, time.perf_counter() - start))
+    retry = 0
+    while time.perf_counter() < deadline and (retry < 2 or time.perf_counter() < retry_until):
+        missing = {n: [k for k in contenders[n] if (n, k) not in timings.clean] for n in points}
+        if not any(missing.values()):
+            break
+        _time_rounds(calls, inputs, missing, 1, timings, deadline, clock)
+        retry += 1
+    for _ in range(2):  # counts that look slower than a larger count: measured again, with their neighbours
+        suspects = suspect_points(timings.table())
+        if not suspects or time.perf_counter() > deadline:
+            break
+        again = set()
+        for n in suspects:
+            i = points.index(n)
+            again.update(points[max(0, i - 1): i + 2])
+        _time_rounds(calls, inputs, {n: contenders[n] for n in sorted(again)}, rounds, timings, deadline, clock)
+    return timings
 
 
 def measure_plan(calls: list, points: tuple[int, ...] = POINTS,
-                 rounds: int = ROUNDS) -> tuple[KernelPlan, dict[int, dict[str, float]], dict[str, float]]:
+                 rounds: int = ROUNDS) -> tuple[KernelPlan, dict[int, dict[str, float]], dict]:
     """Time every kernel at every count over ``calls`` (a forward's linears) and build the plan.
-    Returns the plan, the seconds per count and kernel (the fastest clean sample, else the fastest)
-    and how the samples went (count, disturbed, seconds spent)."""
-    kernels = [k for k in KERNELS if k != "onednn" or onednn_available()]
-    if "onednn" in kernels:
-        _pack(calls)
+    Returns the plan, the seconds per count and kernel (the fastest sample) and how the samples went.
+
+    On a busy machine (CPU pressure before starting, or most first-round samples disturbed), wall
+    time of a multi-threaded kernel mostly measures the scheduler (an OpenMP team waits for its
+    descheduled members at every barrier). The kernels are then ranked on one thread by that
+    thread's CPU time instead, which descheduling does not inflate: a proxy for the real thread
+    count, so the plan is provisional (measured again at a quiet start)."""
+    kernels = available_kernels()
+    for k in PREPACKED:
+        if k in kernels:
+            _pack(calls, k)
     widths = sorted({m.in_features for m in calls})
-    timings = Timings()
     start = time.perf_counter()
+    deadline = start + MEASURE_SECONDS
     with torch.inference_mode():
         inputs = {n: {w: torch.randn(n, w) for w in widths} for n in points}
         shapes = list({(m.out_features, m.in_features, m.bias is not None): m for m in calls}.values())
         for n in points:  # warm-up: one call per distinct shape (first touches, oneDNN primitive creation)
             for k in kernels:
                 _time_pass(shapes, inputs[n], k)
-        first = min(2, rounds)
-        _time_rounds(calls, inputs, {n: list(kernels) for n in points}, first, timings)
-        # only kernels that can still win keep being timed (and those only a busy machine has seen)
-        seconds = timings.table()
-        contenders = {n: [k for k in kernels if seconds[n][k] <= CONTENDER * min(seconds[n].values())
-                          or (n, k) not in timings.clean] for n in points}
-        _time_rounds(calls, inputs, contenders, rounds - first, timings)
-        # pairs with no clean sample (the machine was busy each time): again, twice, then for as long
-        # as the measurement took so far (at most MAX_RETRY_SECONDS)
-        deadline = time.perf_counter() + min(MAX_RETRY_SECONDS, time.perf_counter() - start)
-        retry = 0
-        while retry < 2 or time.perf_counter() < deadline:
-            missing = {n: [k for k in contenders[n] if (n, k) not in timings.clean] for n in points}
-            if not any(missing.values()):
-                break
-            _time_rounds(calls, inputs, missing, 1, timings)
-            retry += 1
-        for _ in range(2):  # counts that look slower than a larger count: measured again, with their neighbours
-            suspects = suspect_points(timings.table())
-            if not suspects:
-                break
-            again = set()
-            for n in suspects:
-                i = points.index(n)
-                again.update(points[max(0, i - 1): i + 2])
-            _time_rounds(calls, inputs, {n: contenders[n] for n in sorted(again)}, rounds, timings)
+        busy = _cpu_busy()
+        timings = None
+        if busy is None or busy < BUSY_SHARE:
+            probe = Timings()  # the first round, in wall time, given up as soon as most samples are disturbed
+            _time_rounds(calls, inputs, {n: list(kernels) for n in points}, 1, probe, deadline,
+                         stop=lambda t: t.samples >= 8 and t.disturbed > BUSY_SHARE * t.samples)
+            if probe.disturbed <= BUSY_SHARE * probe.samples:
+                timings = _measure(calls, inputs, kernels, points, rounds, deadline, timings=probe, done=1)
+        proxy = timings is None
+        if proxy:
+            threads = torch.get_num_threads()
+            torch.set_num_threads(1)
+            try:
+                timings = _measure(calls, inputs, kernels, points, rounds, deadline, time.thread_time)
+            finally:
+                torch.set_num_threads(threads)
     seconds = timings.table()
     plan = plan_from_seconds(seconds)
-    if "onednn" in kernels and "onednn" not in plan.kernels:
-        _unpack(calls)  # the packed copies cost as much memory as the weights
+    for k in PREPACKED:
+        if k in kernels and k not in plan.kernels:
+            _unpack(calls, k)  # the packed copies cost as much memory as the weights
     info = {"samples": timings.samples, "disturbed": timings.disturbed,
-            "seconds_spent": round(time.perf_counter() - start, 3)}
-    if timings.disturbed:
+            "seconds_spent": round(time.perf_counter() - start, 3),
+            "clock": "one thread, thread CPU time (busy machine)" if proxy else "wall",
+            "provisional": proxy or timings.disturbed > BUSY_SHARE * timings.samples}
+    if proxy:
+        logger.info("kernel timing: the CPUs are busy; kernels ranked on one thread by CPU time (provisional plan)")
+    elif timings.disturbed:
         logger.info("kernel timing: %d of %d samples ran while the CPUs were contended", timings.disturbed,
                     timings.samples)
     return plan, seconds, info
@@ -422,12 +517,22 @@ def measure_plan(calls: list, points: tuple[int, ...] = POINTS,
 def plan_key(calls: list) -> str:
     shapes = sorted({(m.out_features, m.in_features, m.bias is not None) for m in calls})
     raw = (f"v{PLAN_VERSION}|{shapes}|{len(calls)}|{platform.machine()}|{platform.processor()}"
-           f"|threads{torch.get_num_threads()}|{torch.__version__}")
+           f"|threads{torch.get_num_threads()}|{torch.__version__}|{available_kernels()}")
     return hashlib.sha256(raw.encode()).hexdigest()[:20]
 
 
-def _parse_plan(data: dict) -> KernelPlan:
-    """A cached plan, refused (measured again) unless it is the plan its own recorded seconds give."""
+def _cpu_busy() -> float | None:
+    """Share of the last 10 s during which tasks waited for a CPU (pressure stall), or None."""
+    try:
+        with open("/proc/pressure/cpu") as f:
+            return float(f.readline().split("avg10=", 1)[1].split()[0]) / 100
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _parse_plan(data: dict) -> tuple[KernelPlan, bool]:
+    """A cached plan and whether it is provisional (measured on a busy machine); refused (measured
+    again) unless it is the plan its own recorded seconds give."""
     if data.get("version") != PLAN_VERSION:
         raise ValueError(f"plan version {data.get('version')} is not {PLAN_VERSION}")
     rows = data.get("rows")
@@ -435,7 +540,7 @@ def _parse_plan(data: dict) -> KernelPlan:
     seconds = {int(n): {k: float(t) for k, t in ts.items()} for n, ts in data["seconds"].items()}
     if sorted(seconds) != list(plan.points) or plan_from_seconds(seconds) != plan:
         raise ValueError("the plan does not follow from its recorded timings")
-    return plan
+    return plan, bool(data.get("measurement", {}).get("provisional", False))
 
 
 def select_plan(model: nn.Module) -> KernelPlan | None:
@@ -452,14 +557,23 @@ def select_plan(model: nn.Module) -> KernelPlan | None:
     fuse_siblings(model)
     calls = kernel_calls(model)
     path = cache_root() / "kernels" / f"{plan_key(calls)}.json"
-    plan = load_json(path, _parse_plan, "kernel plan")
+    loaded = load_json(path, _parse_plan, "kernel plan")
+    plan = None
+    if loaded is not None:
+        plan, provisional = loaded
+        busy = _cpu_busy()
+        if provisional and busy is not None and busy < QUIET_SHARE:
+            logger.info("the cached kernel plan was measured on a busy machine: measuring again")
+            plan = None
     if plan is None:
         logger.info("measuring CPU linear kernels (cached in %s)", path)
         plan, seconds, info = measure_plan(calls)
         save_json(path, {"version": PLAN_VERSION, "points": plan.points, "kernels": plan.kernels,
                          "rows": plan.rows, "seconds": {str(n): t for n, t in seconds.items()},
                          "measurement": info}, "kernel plan")
-    elif "onednn" in plan.kernels:
-        _pack(calls)
+    else:
+        for k in PREPACKED:
+            if k in plan.kernels:
+                _pack(calls, k)
     model._tr_kernel_plan = plan
     return plan

@@ -1,0 +1,77 @@
+"""The panel GEMM: compiled on this machine, the same fp32 function as F.linear (to rounding),
+batch invariant (a row's result does not depend on the other rows), optional everywhere."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tr_serve.runner import panel_gemm as pg
+
+needs_kernel = pytest.mark.skipif(pg.load() is None, reason="no C compiler / libgomp for the panel GEMM")
+
+
+def test_pack_layout():
+    w = torch.arange(20 * 3, dtype=torch.float32).reshape(20, 3)
+    p = pg.pack(w)
+    assert p.shape == (2, 3, 16)  # 20 outputs padded to two panels of 16
+    assert torch.equal(p[0, :, :], w[:16].T) and torch.equal(p[1, :, :4], w[16:].T)
+    assert not p[1, :, 4:].any()
+
+
+@needs_kernel
+@pytest.mark.parametrize("m", [1, 2, 7, 8, 9, 16, 17, 40])
+@pytest.mark.parametrize("n,k", [(96, 40), (20, 130), (48, 300)])
+def test_matches_f_linear(m, n, k):
+    g = torch.Generator().manual_seed(m * 1000 + n + k)
+    w, x, b = torch.randn(n, k, generator=g), torch.randn(m, k, generator=g), torch.randn(n, generator=g)
+    got = pg.linear(x, pg.pack(w), n, b)
+    assert got.shape == (m, n) and got.is_contiguous()
+    torch.testing.assert_close(got, F.linear(x, w, b), rtol=1e-5, atol=1e-4)
+    x3 = x.reshape(1, m, k)  # leading dims kept
+    assert pg.linear(x3, pg.pack(w), n).shape == (1, m, n)
+
+
+@needs_kernel
+def test_batch_invariant_and_strided_input():
+    g = torch.Generator().manual_seed(1)
+    w, x = torch.randn(64, 200, generator=g), torch.randn(16, 200, generator=g)
+    p = pg.pack(w)
+    full = pg.linear(x, p, 64)
+    for m in (1, 3, 8, 16):
+        assert torch.equal(pg.linear(x[:m], p, 64), full[:m])  # bit for bit, whatever the other rows
+    assert torch.equal(pg.linear(x[5:6], p, 64)[0], full[5])
+    wide = torch.randn(16, 400, generator=g)
+    wide[:, ::2] = x  # a strided view with row stride 400
+    assert torch.equal(pg.linear(wide[:, ::2].contiguous(), p, 64), full)
+
+
+def test_unavailable_without_a_compiler(monkeypatch):
+    monkeypatch.setattr(pg, "_tried", False)
+    monkeypatch.setattr(pg, "_lib", None)
+    monkeypatch.setattr(pg, "_compiler", lambda: None)
+    assert pg.load() is None
+    with pytest.raises(RuntimeError):
+        pg.linear(torch.randn(1, 4), pg.pack(torch.randn(16, 4)), 16)
+
+
+def test_switched_off_by_environment(monkeypatch):
+    monkeypatch.setattr(pg, "_tried", False)
+    monkeypatch.setattr(pg, "_lib", None)
+    monkeypatch.setenv("TR_SERVE_PANEL_GEMM", "0")
+    assert pg.load() is None
+
+
+@needs_kernel
+def test_built_once_into_the_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("TR_SERVE_CACHE", str(tmp_path))
+    monkeypatch.setattr(pg, "_tried", False)
+    monkeypatch.setattr(pg, "_lib", None)
+    assert pg.load() is not None
+    [lib] = (tmp_path / "kernels").glob("panel_gemm-*.so")
+    assert not list((tmp_path / "kernels").glob("*.c"))  # sources and temporaries cleaned up
+    stamp = lib.stat().st_mtime_ns
+    monkeypatch.setattr(pg, "_tried", False)
+    monkeypatch.setattr(pg, "_lib", None)
+    assert pg.load() is not None and lib.stat().st_mtime_ns == stamp  # reused, not rebuilt
