@@ -31,31 +31,33 @@ def calibration_key(model_id: str, runner: ModelRunner) -> str:
 
 
 def measure(runner: ModelRunner, max_tokens: int, context: int = 256, repeats: int = 3) -> LatencyTable:
-    """Latency of one forward of ``q`` tokens on row 0 over a ``context``-token prefix (min of
-    ``repeats``); the row is left empty afterwards."""
+    """Latency of one forward of ``q`` tokens on row 0 over a ``context``-token prefix: the minimum
+    over ``repeats`` interleaved rounds (every count once per round, the order reversed every other
+    round, so a busy moment of the machine lands on different counts), counts above 128 once; the
+    row is left empty afterwards."""
     row = torch.tensor([0])
     context = max(1, min(context, runner.max_len - max_tokens - 1))
     points = [q for q in POINTS if q <= max_tokens and context + q <= runner.max_len] or [1]
     runner.free(0)
     high = min(1000, runner.vocab_size)  # any valid ids: latency does not depend on them
     runner.prefill(row, [[10 + i % (high - 10) for i in range(context)]])
-    seconds = []
+    inputs = {q: (torch.randint(10, high, (1, q)), torch.arange(q), torch.ones(q, q, dtype=torch.bool).tril())
+              for q in points}
+    sync = torch.cuda.synchronize if runner.device.type == "cuda" else (lambda: None)
+    best = {q: float("inf") for q in points}
     for q in points:
-        tokens = torch.randint(10, high, (1, q))
-        depths = torch.arange(q)
-        mask = torch.ones(q, q, dtype=torch.bool).tril()
-        runner.verify(row, tokens, depths, mask)  # warm-up for this shape
-        best = float("inf")
-        for _ in range(repeats if q <= 128 else 1):
-            if runner.device.type == "cuda":
-                torch.cuda.synchronize()
+        runner.verify(row, *inputs[q])  # warm-up for this shape
+    for r in range(repeats):
+        for q in (points if r % 2 == 0 else points[::-1]):
+            if r > 0 and q > 128:
+                continue
+            sync()
             t0 = time.perf_counter()
-            runner.verify(row, tokens, depths, mask)
-            if runner.device.type == "cuda":
-                torch.cuda.synchronize()
-            best = min(best, time.perf_counter() - t0)
-        seconds.append(best)
+            runner.verify(row, *inputs[q])
+            sync()
+            best[q] = min(best[q], time.perf_counter() - t0)
     runner.free(0)
+    seconds = [best[q] for q in points]
     # a forward over more tokens never costs less: a running minimum from the right removes noise
     for i in range(len(seconds) - 2, -1, -1):
         seconds[i] = min(seconds[i], seconds[i + 1])

@@ -1,0 +1,60 @@
+"""The engine's latency calibration: interleaved rounds, min per count, a running minimum from the
+right (a forward over more tokens never costs less), the row left empty."""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+
+from tr_serve.runner import calibration
+from tr_serve.runner.model_runner import ModelRunner
+
+
+def test_measure_interleaves_rounds_and_keeps_the_minimum(tokenizer, monkeypatch):
+    from tests.tiny_model import tiny_loaded
+
+    runner = ModelRunner(tiny_loaded(tokenizer).model, 1, 64)
+    order = []
+    real = runner.verify
+
+    def verify(rows, tokens, depths, mask):
+        order.append(tokens.shape[1])
+        assert runner.length(0) == 16  # the context stays in the row
+        return real(rows, tokens, depths, mask)
+
+    runner.verify = verify
+    state = {"calls": 0, "timed": {}}
+
+    def perf_counter():  # start stamps 0; an end stamp returns this count's duration this round
+        state["calls"] += 1
+        if state["calls"] % 2:
+            return 0.0
+        q = order[-1]
+        state["timed"][q] = state["timed"].get(q, 0) + 1
+        spikes = {(2, 1): 9.0, (4, 2): 9.0}  # (count, round): a busy moment
+        return spikes.get((q, state["timed"][q]), {1: 1.0, 2: 1.5, 3: 1.4, 4: 2.0}[q])
+
+    monkeypatch.setattr(calibration, "time", types.SimpleNamespace(perf_counter=perf_counter))
+    monkeypatch.setattr(calibration, "POINTS", (1, 2, 3, 4))
+    table = calibration.measure(runner, max_tokens=4, context=16, repeats=3)
+    assert order[:4] == [1, 2, 3, 4]  # warm-up
+    assert order[4:] == [1, 2, 3, 4, 4, 3, 2, 1, 1, 2, 3, 4]  # interleaved, alternating direction
+    assert table.tokens == (1, 2, 3, 4)
+    # min per count: 2 -> 1.5 (spike dropped), 4 -> 2.0; then the running minimum from the right: 2 -> 1.4
+    assert table.seconds == pytest.approx((1.0, 1.4, 1.4, 2.0))
+    assert runner.length(0) == 0
+
+
+def test_measure_times_large_counts_once(tokenizer, monkeypatch):
+    from tests.tiny_model import tiny_loaded
+
+    runner = ModelRunner(tiny_loaded(tokenizer).model, 1, 400)
+    seen = []
+    real = runner.verify
+    runner.verify = lambda rows, tokens, depths, mask: seen.append(tokens.shape[1]) or real(rows, tokens, depths, mask)
+    monkeypatch.setattr(calibration, "POINTS", (8, 192))
+    table = calibration.measure(runner, max_tokens=192, context=32, repeats=3)
+    assert seen.count(8) == 4 and seen.count(192) == 2  # warm-up + 3 rounds; warm-up + once
+    assert table.tokens == (8, 192) and table.seconds[0] <= table.seconds[1]
+    assert all(isinstance(t, float) and t > 0 for t in table.seconds)
