@@ -13,6 +13,7 @@ import torch
 from tr_serve.runner.attention import runner_attention
 from tr_serve.runner.cpu_kernels import KernelPlan
 from tr_serve.runner.kv_cache import SlotKVCache
+from tr_serve.runner.llama_body import body_for
 
 
 def build_step_mask(starts: torch.Tensor, local: torch.Tensor, kv_len: int, dtype: torch.dtype) -> torch.Tensor:
@@ -78,7 +79,10 @@ class ModelRunner:
         starts = self.cache.begin_step(rows, q)
         mask = build_step_mask(starts, local, self.cache.step_kv_len, self.dtype).to(self.device)
         positions = (starts[:, None] + depths).to(self.device)
+        body = body_for(self.model)  # plain Llama: its layers without transformers' wrappers, same arithmetic
         with self._kernels(), runner_attention(self.model):
+            if body is not None:
+                return body(tokens.to(self.device), positions, mask, self.cache)
             out = self.model.model(
                 input_ids=tokens.to(self.device), attention_mask=mask, position_ids=positions,
                 cache=self.cache, use_cache=True,

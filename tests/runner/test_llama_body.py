@@ -1,0 +1,59 @@
+"""The runner's Llama body is bit-identical to transformers' forward: ragged prefill of two rows,
+then a tree verify per row; other architectures and training mode keep transformers' forward."""
+
+from __future__ import annotations
+
+import torch
+
+from tr_serve.runner import llama_body
+from tr_serve.runner.cpu_kernels import KernelPlan, _pack, fuse_siblings, kernel_calls, kernel_linears
+from tr_serve.runner.model_runner import ModelRunner
+
+
+def _run(model, plan, disable: bool, monkeypatch):
+    if disable:
+        monkeypatch.setattr("tr_serve.runner.model_runner.body_for", lambda model: None)
+    else:
+        monkeypatch.setattr("tr_serve.runner.model_runner.body_for", llama_body.body_for)
+    runner = ModelRunner(model, 3, 48, kernel_plan=plan)
+    rows = torch.tensor([2, 0])
+    last, every = runner.prefill(rows, [[5, 17, 99, 3, 250, 8, 41], [7, 7, 300]], all_positions=True)
+    tokens = torch.tensor([[7, 9, 11, 13], [21, 22, 23, 24]])
+    depths = torch.tensor([[0, 1, 1, 2], [0, 1, 2, 3]])
+    trees = torch.tensor([[[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 1, 0, 1]],
+                          [[1, 0, 0, 0], [1, 1, 0, 0], [1, 1, 1, 0], [1, 1, 1, 1]]], dtype=torch.bool)
+    verified = runner.verify(rows, tokens, depths, trees)
+    one = runner.verify(torch.tensor([0]), tokens[1:, :1], depths[1:, :1], trees[1:, :1, :1])
+    return [last, *every, verified, one]
+
+
+def test_body_matches_transformers_bit_for_bit(tokenizer, monkeypatch):
+    from tests.tiny_model import tiny_loaded
+
+    model = tiny_loaded(tokenizer, seed=6, init_range=0.1).model
+    assert llama_body.body_for(model) is not None
+    for plan in (None, KernelPlan((64,), ("onednn",))):
+        if plan is not None:
+            kernel_linears(model)
+            fuse_siblings(model)
+            _pack(kernel_calls(model))
+        want = _run(model, plan, True, monkeypatch)
+        got = _run(model, plan, False, monkeypatch)
+        assert len(got) == len(want) == 5
+        for a, b in zip(got, want):
+            assert torch.equal(a, b)
+
+
+def test_body_only_for_plain_llama_in_eval(tokenizer):
+    from tests.tiny_model import tiny_loaded
+
+    model = tiny_loaded(tokenizer).model
+    assert llama_body.body_for(model) is not None
+    model.train()
+    assert llama_body.body_for(model) is None  # training mode: transformers' forward
+    model.eval()
+    model.config._attn_implementation = "eager"
+    assert llama_body.body_for(model) is None  # eager attention: transformers' forward
+    model.config._attn_implementation = "sdpa"
+    assert llama_body.body_for(model) is not None
+    assert llama_body.body_for(torch.nn.Linear(2, 2)) is None
