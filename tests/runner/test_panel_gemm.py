@@ -42,6 +42,9 @@ def test_batch_invariant_and_strided_input():
     for m in (1, 3, 8, 16):
         assert torch.equal(pg.linear(x[:m], p, 64), full[:m])  # bit for bit, whatever the other rows
     assert torch.equal(pg.linear(x[5:6], p, 64)[0], full[5])
+    more = torch.cat([x, torch.randn(24, 200, generator=g)])  # 40 rows: chunks of 16, 16 and 8
+    assert torch.equal(pg.linear(more, p, 64)[:16], full)
+    assert torch.equal(pg.linear(more, p, 64)[16:], pg.linear(more[16:], p, 64))
     wide = torch.randn(16, 400, generator=g)
     wide[:, ::2] = x  # a strided view with row stride 400
     assert torch.equal(pg.linear(wide[:, ::2].contiguous(), p, 64), full)

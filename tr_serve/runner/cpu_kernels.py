@@ -59,7 +59,7 @@ KERNELS = ("torch", "mkl_nt", "onednn", "panel")
 PREPACKED = ("onednn", "panel")  # kernels that keep a repacked copy of every weight (memory: one more model)
 POINTS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128)  # token counts measured; above the last: torch
 PACK_HINT = 8  # oneDNN picks its weight layout for this many rows; measured flat from 3 to 16 here
-PLAN_VERSION = 6  # part of the cache key: plans measured by older code (one noisy run each) are measured again
+PLAN_VERSION = 9  # part of the cache key: plans measured by older code (one noisy run each) are measured again
 ROUNDS = 5  # interleaved timing rounds per (count, kernel); the minimum is kept
 CONTENDER = 1.5  # after two rounds, kernels slower than this times the best at a count stop being timed there
 RECHECK = 1.10  # a count whose best time exceeds a larger count's by this factor is measured again
@@ -98,11 +98,14 @@ class KernelPlan:
         return self.kernels[i] if i < len(self.kernels) else "torch"
 
     def choice(self, n: int) -> tuple[str, int]:
-        """(kernel, rows to run) for a call on ``n`` rows: rows == n unless the plan pads."""
+        """(kernel, rows to run) for a call on ``n`` rows: rows == n unless the plan pads this
+        count's bucket to a larger point."""
         i = bisect.bisect_left(self.points, n)
         if i >= len(self.kernels):
             return "torch", n
-        return self.kernels[i], (max(n, self.rows[i]) if self.rows is not None else n)
+        if self.rows is None or self.rows[i] == self.points[i]:
+            return self.kernels[i], n
+        return self.kernels[i], self.rows[i]
 
     @contextlib.contextmanager
     def active(self) -> Iterator[None]:

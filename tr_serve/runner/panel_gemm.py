@@ -43,7 +43,7 @@ import torch.nn.functional as F
 
 logger = logging.getLogger(__name__)
 
-MAX_ROWS = 16  # rows per pass over the weights; more rows run in chunks of this many
+MAX_ROWS = 16  # rows held in registers; more rows run in chunks of this many, each panel read from memory once
 PANEL = 16  # output features per panel
 
 SOURCE = r"""
@@ -98,31 +98,43 @@ static const group_fn SINGLES[17] = {0, group_1_1, group_2_1, group_3_1, group_4
                                      group_16_1};
 
 /* y[M][ldy] = x[M][K] (row stride ldx) . panels P[NB][K][16]; ldy >= NB*16; returns 0 on success */
+static __thread float *xt_buf;  /* x transposed per chunk of 16 rows, [chunks][K][16]; grows, never shrinks */
+static __thread int64_t xt_cap;
+
+/* y[M][ldy] = x[M][K] (row stride ldx) . panels P[NB][K][16]; ldy >= NB*16; returns 0 on success.
+   Rows run in chunks of 16; each panel (or pair of panels) is read from memory once and then serves
+   every chunk from the core's cache. */
 int tr_panel_gemm(const float *x, int64_t ldx, const float *P, float *y, int64_t ldy,
                   int64_t M, int64_t K, int64_t NB, int nthreads) {
-    float *xt = aligned_alloc(64, (size_t)(((K * 16 * sizeof(float)) + 63) / 64 * 64));
-    if (!xt) return 1;
-    for (int64_t m0 = 0; m0 < M; m0 += 16) {
-        int64_t mm = M - m0 < 16 ? M - m0 : 16;
-        memset(xt, 0, (size_t)K * 16 * sizeof(float));
-        for (int64_t m = 0; m < mm; m++)
-            for (int64_t k = 0; k < K; k++) xt[k * 16 + m] = x[(m0 + m) * ldx + k];
-        float *yc = y + m0 * ldy;
-        if (mm <= 8) {
-            group_fn pair = PAIRS[mm], single = SINGLES[mm];
-            int64_t groups = (NB + 1) / 2;
-            #pragma omp parallel for num_threads(nthreads) schedule(static)
-            for (int64_t g = 0; g < groups; g++) {
-                if (2 * g + 1 < NB) pair(xt, P + 2 * g * K * 16, K, yc + 2 * g * 16, ldy);
-                else single(xt, P + 2 * g * K * 16, K, yc + 2 * g * 16, ldy);
-            }
-        } else {
-            group_fn single = SINGLES[mm];
-            #pragma omp parallel for num_threads(nthreads) schedule(static)
-            for (int64_t nb = 0; nb < NB; nb++) single(xt, P + nb * K * 16, K, yc + nb * 16, ldy);
-        }
+    int64_t chunks = (M + 15) / 16;
+    if (chunks * K * 16 > xt_cap) {
+        free(xt_buf);
+        xt_buf = aligned_alloc(64, (size_t)(((chunks * K * 16 * sizeof(float)) + 63) / 64 * 64));
+        xt_cap = xt_buf ? chunks * K * 16 : 0;
+        if (!xt_buf) return 1;
     }
-    free(xt);
+    float *xt = xt_buf;
+    for (int64_t m = 0; m < M; m++) {  /* columns past a chunk's last row are never read */
+        float *dst = xt + (m / 16) * K * 16 + (m % 16);
+        const float *src = x + m * ldx;
+        for (int64_t k = 0; k < K; k++) dst[k * 16] = src[k];
+    }
+    int64_t last = M - (chunks - 1) * 16;  /* rows in the last chunk */
+    if (M <= 8) {
+        group_fn pair = PAIRS[M], single = SINGLES[M];
+        int64_t groups = (NB + 1) / 2;
+        #pragma omp parallel for num_threads(nthreads) schedule(static)
+        for (int64_t g = 0; g < groups; g++) {
+            if (2 * g + 1 < NB) pair(xt, P + 2 * g * K * 16, K, y + 2 * g * 16, ldy);
+            else single(xt, P + 2 * g * K * 16, K, y + 2 * g * 16, ldy);
+        }
+    } else {
+        #pragma omp parallel for num_threads(nthreads) schedule(static)
+        for (int64_t nb = 0; nb < NB; nb++)
+            for (int64_t c = 0; c < chunks; c++)
+                SINGLES[c + 1 < chunks ? 16 : last](xt + c * K * 16, P + nb * K * 16, K,
+                                                     y + c * 16 * ldy + nb * 16, ldy);
+    }
     return 0;
 }
 """
@@ -228,24 +240,22 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
 
 
 def _run(lib: ctypes.CDLL, x: torch.Tensor, panels: torch.Tensor, n: int) -> torch.Tensor:
-    h = x.reshape(-1, x.shape[-1])
-    if h.stride(-1) != 1:
-        h = h.contiguous()
-    m, k = h.shape
+    if not x.is_contiguous():
+        x = x.contiguous()
+    k = x.shape[-1]
     nb = panels.shape[0]
-    y = torch.empty(m, nb * PANEL, dtype=torch.float32)
-    rc = lib.tr_panel_gemm(h.data_ptr(), h.stride(0), panels.data_ptr(), y.data_ptr(), nb * PANEL, m, k, nb,
+    width = nb * PANEL
+    y = torch.empty(*x.shape[:-1], width, dtype=torch.float32)
+    rc = lib.tr_panel_gemm(x.data_ptr(), k, panels.data_ptr(), y.data_ptr(), width, x.numel() // k, k, nb,
                            torch.get_num_threads())
     if rc != 0:
         raise MemoryError("panel GEMM: out of memory")
-    if nb * PANEL != n:
-        y = y[:, :n].contiguous()
-    return y.reshape(*x.shape[:-1], n)
+    return y if width == n else y[..., :n].contiguous()
 
 
 def linear(x: torch.Tensor, panels: torch.Tensor, n: int, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear(x, W, bias)`` for fp32 CPU ``x`` [..., K], with ``panels = pack(W)`` and N = ``n``."""
-    lib = load()
+    lib = _lib if _tried else load()
     if lib is None:
         raise RuntimeError("the panel GEMM is not available on this machine")
     if x.dtype != torch.float32 or x.device.type != "cpu":
