@@ -11,19 +11,13 @@ from tr_serve.tr.matrix import EMPTY
 from tr_serve.tr.tree import compile_tree
 from tr_serve.tr.verifier import accept_draft
 
+from test_tree import ancestors_or_self
+
 # node 1 = (0), 2 = (1), 3 = (0,0), 4 = (0,1), 5 = (0,0,0)
 SMALL = compile_tree([[0], [1], [0, 0], [0, 1], [0, 0, 0]])
 NODES = torch.arange(1, 6)
 # root 1, then a=2 (0), b=3 (1), c=4 (0,0), d=5 (0,1), e=6 (0,0,0)
 DRAFT = torch.tensor([[1, 2, 3, 4, 5, 6], [1, 2, 3, 4, 5, 6]])
-
-
-def ancestors_or_self(parents: list[int], i: int) -> set[int]:
-    out = {i}
-    while parents[i] >= 0:
-        i = parents[i]
-        out.add(i)
-    return out
 
 
 def test_without_branches_every_row_shares_the_template():

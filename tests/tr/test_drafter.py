@@ -21,18 +21,24 @@ def run(engine: Engine, prompt: list[int], n: int = 24) -> list[int]:
     return out[0].token_ids
 
 
+def spy(obj, name: str, record) -> None:
+    """Wrap ``obj.name`` so every call's arguments and result pass through ``record(args, result)``."""
+    real = getattr(obj, name)
+
+    def wrapped(*args, **kwargs):
+        result = real(*args, **kwargs)
+        record(args, result)
+        return result
+
+    setattr(obj, name, wrapped)
+
+
 def test_pld_drafts_from_the_context_and_never_touches_the_matrix(tokenizer):
     loaded = tiny_loaded(tokenizer, seed=3, init_range=0.1)
     plain = run(Engine(loaded, EngineConfig(model="tiny", tree="none", max_model_len=128)), PROMPT)
     engine = Engine(loaded, EngineConfig(model="tiny", tree="pld", max_model_len=128))
     widths = []
-    real = engine.runner.verify
-
-    def verify(rows, tokens, depths, mask):
-        widths.append(tokens.shape[1])
-        return real(rows, tokens, depths, mask)
-
-    engine.runner.verify = verify
+    spy(engine.runner, "verify", lambda args, _: widths.append(args[1].shape[1]))  # args: rows, tokens, ...
     assert run(engine, PROMPT) == plain
     assert engine.matrix.num_filled_rows() == 0
     assert max(widths) == 5  # the root and a 4-token branch (the prompt repeats)
@@ -44,13 +50,7 @@ def test_hybrid_trees_are_the_template_plus_a_branch_and_stay_lossless(tokenizer
     plain = run(Engine(loaded, EngineConfig(model="tiny", tree="none", max_model_len=128)), PROMPT)
     engine = Engine(loaded, EngineConfig(model="tiny", tree="top4+ctx", max_model_len=128))
     drafts = []
-    real = engine.drafter.draft
-
-    def draft(*args, **kwargs):
-        drafts.append(real(*args, **kwargs))
-        return drafts[-1]
-
-    engine.drafter.draft = draft
+    spy(engine.drafter, "draft", lambda _, batch: drafts.append(batch))
     assert run(engine, PROMPT) == plain
     assert all(d.num_template_nodes == 4 for d in drafts)
     assert any(d.chain_columns[0] for d in drafts), "the repeating prompt should give a context branch"
