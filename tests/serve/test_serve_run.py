@@ -87,8 +87,12 @@ def test_tr_serve_run_loopback_token_auth_and_graceful_sigterm(tmp_path):
         started = threading.Barrier(len(streams) + 1, timeout=180)
 
         def stream(tag: str, max_tokens: int) -> None:
+            # the long stream samples at a high temperature: near-random text that no draft predicts, so
+            # it cannot finish inside the drain timeout (greedy text loops, and TR drafts a loop 16 at a time)
+            temperature = 2.0 if tag == "long" else 0
             body = {"model": MODEL, "messages": [{"role": "user", "content": "Tell a long story about a ship."}],
-                    "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "stream": True}
+                    "max_tokens": max_tokens, "temperature": temperature, "seed": 7, "ignore_eos": True,
+                    "stream": True}
             try:
                 with httpx.stream("POST", base + "/v1/chat/completions", json=body, timeout=300) as r:
                     assert r.status_code == 200, r.read()
