@@ -10,6 +10,7 @@ from __future__ import annotations
 import itertools
 import time
 from collections import deque
+from typing import Any, Callable
 
 import torch
 
@@ -49,7 +50,12 @@ def check_prompt(prompt_ids: list[int], max_model_len: int) -> None:
 
 class Engine:
     def __init__(self, loaded: LoadedModel, config: EngineConfig, matrix: AdjacencyMatrix | None = None,
-                 timer: PhaseTimer | None = None):
+                 timer: PhaseTimer | None = None, runner: Callable[[int], tuple[Any, int]] | None = None):
+        """``runner``: None runs the model in this process (a ``ModelRunner`` over
+        ``loaded.model``); otherwise a factory ``runner(max_len) -> (runner, num_rows)`` of another
+        implementation of the runner contract that sizes its own KV cache for rows of ``max_len``
+        tokens (tensor parallel: ``tr_serve.tp.runner.TPModelRunner.allocate``); ``loaded.model``
+        is then not used."""
         self.config = config
         self.tokenizer = loaded.tokenizer
         self.eos_ids = frozenset(loaded.eos_token_ids)
@@ -60,12 +66,15 @@ class Engine:
             template = compile_tree(paths, name=name)
         scratch = (template.num_nodes if template is not None else 0) + (Drafter.context_tokens(self.spec) + 1)
         max_len = config.max_model_len + scratch
-        dtype = next(loaded.model.parameters()).dtype
-        self.num_rows = rows_within_budget(loaded.model.config, max_len, dtype, config.max_num_seqs,
-                                           config.kv_cache_memory_gb)
-        plan = select_plan(loaded.model) if config.cpu_kernels == "auto" else None  # None unless fp32 on CPU
-        self.runner = ModelRunner(loaded.model, self.num_rows, max_len, kernel_plan=plan)
-        vocab = loaded.model.config.vocab_size
+        if runner is None:
+            dtype = next(loaded.model.parameters()).dtype
+            self.num_rows = rows_within_budget(loaded.model.config, max_len, dtype, config.max_num_seqs,
+                                               config.kv_cache_memory_gb)
+            plan = select_plan(loaded.model) if config.cpu_kernels == "auto" else None  # None unless fp32 on CPU
+            self.runner = ModelRunner(loaded.model, self.num_rows, max_len, kernel_plan=plan)
+        else:
+            self.runner, self.num_rows = runner(max_len)
+        vocab = self.runner.vocab_size
         self.matrix = matrix if matrix is not None else AdjacencyMatrix(vocab, config.k, device=self.runner.device)
         self.timer = timer or PhaseTimer(self.runner.device, enabled=False)
         self.drafter: Drafter | None = None
