@@ -52,6 +52,12 @@ class EngineConfig:
             raise ValueError(str(e)) from None
         if self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
+        import torch
+
+        from tr_serve.model_loader import parse_dtype  # "auto": float32 on CPU (README: bfloat16 on CPU)
+
+        if not isinstance(self.dtype, torch.dtype):  # load_model takes a torch dtype too
+            parse_dtype(self.dtype, self.device)  # ValueError for an unknown name
 
     @property
     def speculative(self) -> bool:
