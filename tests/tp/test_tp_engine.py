@@ -1,7 +1,8 @@
-"""``TPEngine`` on a local Ray instance gives the single-process engine's greedy tokens: a tiny
-random Llama at world size 2 and 3 (fixed and cost-aware tree budgets), and the embedded
-SmolLM2-135M (9 heads, 3 kv heads) at world size 3 on Spec-Bench dev questions. A dead worker
-fails the next step and the health check."""
+"""The replica's one ``Engine`` over a ``TPModelRunner`` (tensor-parallel Ray actor workers) on a
+local Ray instance gives the single-process engine's greedy tokens: a tiny random Llama at world
+size 2 and 3 (fixed and cost-aware tree budgets, online latency on), and the embedded SmolLM2-135M
+(9 heads, 3 kv heads) at world size 3 on Spec-Bench dev questions. The ranks' KV-cache lengths
+follow the driver's mirror. A dead worker fails the next step and the health check."""
 
 from __future__ import annotations
 
@@ -35,8 +36,15 @@ def tiny(tokenizer, model_id: str) -> LoadedModel:
     return LoadedModel(model, tokenizer, model_id, (int(tokenizer.eos_token_id),))
 
 
+def rank_lengths(runner) -> list[list[int]]:
+    import ray
+
+    return ray.get([w.lengths.remote() for w in runner.workers])
+
+
 def run(engine, prompts, max_tokens: int, extra: dict[str, SamplingParams] | None = None):
-    """Greedy outputs by prompt index (plus ``extra`` requests by id); checks the mirrored stats."""
+    """Greedy outputs by prompt index (plus ``extra`` requests by id); checks the scheduler's
+    stats and, on a tensor-parallel runner, that every rank's cache lengths equal the driver's."""
     for i, p in enumerate(prompts):
         engine.add_request(p, SamplingParams(max_tokens=max_tokens, ignore_eos=True), request_id=f"r{i}")
     for rid, params in (extra or {}).items():
@@ -51,37 +59,47 @@ def run(engine, prompts, max_tokens: int, extra: dict[str, SamplingParams] | Non
         steps += 1
         busy = len(engine.prefilling) + len(engine.running)
         assert engine.num_rows - len(engine.free_rows) == busy
+        runner = engine.runner
+        if hasattr(runner, "workers") and not runner._pending:  # every queued call has reached the ranks
+            mirror = [runner.length(r) for r in range(engine.num_rows)]
+            assert rank_lengths(runner) == [mirror] * runner.world_size
     assert len(done) == total
     return [done[f"r{i}"] for i in range(len(prompts))], done, steps
 
 
 @pytest.mark.parametrize("world, budget", [(2, "fixed"), (3, "auto")])
 def test_tiny_model_matches_unsharded(ray_tp, tokenizer, world, budget):
-    from tr_serve.tp.engine import TPEngine, TPWorkerError
+    from tr_serve.tp.runner import TPModelRunner, TPWorkerError, tp_engine
 
     loaded = tiny(tokenizer, f"tiny-tp-test-{world}")
     config = EngineConfig(tree="top4", max_num_seqs=4, max_model_len=512, budget=budget)
     want, _, _ = run(Engine(copy.deepcopy(loaded), config), PROMPTS, 24)
-    engine = TPEngine(loaded, config, world, cpu_threads=1)
+    engine = tp_engine(loaded, config, world, cpu_threads=1)
+    runner = engine.runner
     try:
-        assert engine.info["kv_heads_per_rank"] == 6 // world and engine.info["heads_per_rank"] == 12 // world
-        # a sampled request without a seed: TPEngine seeds it once for every rank (else they diverge)
+        assert type(engine) is Engine and isinstance(runner, TPModelRunner)  # the ordinary engine
+        assert runner.info["kv_heads_per_rank"] == 6 // world and runner.info["heads_per_rank"] == 12 // world
+        assert engine.matrix is not None and engine.config.online_latency  # nothing is switched off under TP
+        if budget == "auto":  # the budget's latency table was measured through the TP runner
+            assert engine.drafter.latency is not None
+        # a sampled request without a seed: drawn once, on the replica
         got, done, _ = run(engine, PROMPTS, 24, extra={"sampled": SamplingParams(max_tokens=24, temperature=1.0)})
         assert got == want
         assert len(done["sampled"]) == 24
+        assert runner.transfer.messages == 2 * world * runner.transfer.forwards  # one call + reply per rank
         with pytest.raises(ValueError, match="already in use"):
             engine.add_request([1, 2], SamplingParams(), request_id="x")
             engine.add_request([1, 2], SamplingParams(), request_id="x")
         engine.abort("x")
         engine.step()
         assert not engine.has_unfinished()
-        engine.check_health()
+        runner.check_health()
         import ray
 
         if world == 2:  # a dead worker: the health check and the next step fail, naming it
-            ray.kill(engine.workers[1])
+            ray.kill(runner.workers[1])
             with pytest.raises(TPWorkerError, match=r"tr_tp_worker:.*:1 is dead"):
-                engine.check_health()
+                runner.check_health()
             engine.add_request(PROMPTS[0], SamplingParams(max_tokens=4), request_id="after-kill")
             t0 = time.monotonic()
             with pytest.raises(TPWorkerError, match=r"tr_tp_worker:.*:1 failed in step"):
@@ -89,39 +107,39 @@ def test_tiny_model_matches_unsharded(ray_tp, tokenizer, world, budget):
             assert time.monotonic() - t0 < 30
         else:  # a hung worker (both of its call slots busy): a ping and then the step time out
             ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
-            engine.step_timeout_s, engine.ping_timeout_s = 3.0, 1.0
+            runner.step_timeout_s, runner.ping_timeout_s = 3.0, 1.0
             for _ in range(2):
-                engine.workers[1].call.remote(lambda _engine: time.sleep(60))
+                runner.workers[1].call.remote(lambda _worker: time.sleep(60))
             time.sleep(0.5)
             with pytest.raises(TPWorkerError, match=r"tr_tp_worker:.*:1.*did not answer a ping"):
-                engine.check_health()
+                runner.check_health()
             engine.add_request(PROMPTS[0], SamplingParams(max_tokens=4), request_id="after-hang")
             with pytest.raises(TPWorkerError, match=r"step timed out after 3 s; no answer from .*tr_tp_worker:.*:1"):
                 engine.step()
-        assert not engine.alive
-        with pytest.raises(TPWorkerError, match="engine is dead"):
-            engine.check_health()
-        with pytest.raises(TPWorkerError, match="engine is dead"):
+        assert not runner.alive
+        with pytest.raises(TPWorkerError, match="runner is dead"):
+            runner.check_health()
+        with pytest.raises(TPWorkerError, match="runner is dead"):
             engine.step()
     finally:
-        engine.shutdown()
+        runner.shutdown()
 
 
 def test_smollm2_tp3_matches_single_process(ray_tp, loaded):
     """4 dev questions, 32 new tokens, tree top4: same greedy tokens as ``Engine`` (a difference
     only at a near-tie of the unsharded model)."""
-    from tr_serve.tp.engine import TPEngine
+    from tr_serve.tp.runner import tp_engine
 
     prompts = [encode_prompt(loaded.tokenizer, [{"role": "user", "content": q["turns"][0]}])
                for q in dev_questions(4)]
     config = EngineConfig(model="smollm2-135m-instruct", tree="top4", max_num_seqs=4, max_model_len=1024)
     want, _, _ = run(Engine(loaded, config), prompts, 32)
-    engine = TPEngine("smollm2-135m-instruct", config, 3, cpu_threads=1)
+    engine = tp_engine("smollm2-135m-instruct", config, 3, cpu_threads=1)
     try:
-        assert (engine.info["heads_per_rank"], engine.info["kv_heads_per_rank"]) == (3, 1)
+        assert (engine.runner.info["heads_per_rank"], engine.runner.info["kv_heads_per_rank"]) == (3, 1)
         got, _, _ = run(engine, prompts, 32)
     finally:
-        engine.shutdown()
+        engine.runner.shutdown()
     for i, (p, g, w) in enumerate(zip(prompts, got, want)):
         assert len(g) == len(w) == 32
         assert_same_or_near_tie(loaded.model, p, g, w, f"dev question {i}")

@@ -381,8 +381,8 @@ class MatrixSync:
 async def start_fleet_sync(engine, config: FleetSyncConfig | dict | None, *, model_id: str,
                            tokenizer) -> MatrixSync | None:
     """For a serving replica: a started :class:`MatrixSync` for ``engine`` (an ``AsyncEngine``), or
-    ``None`` when fleet sync is off or the engine keeps no local matrix (a tensor-parallel engine,
-    whose matrix lives in its workers). ``model_id`` keys the fleet: use the id of the weights
+    ``None`` when fleet sync is off (tensor-parallel or not: the engine and its matrix are the
+    same). ``model_id`` keys the fleet: use the id of the weights
     (``LoadedModel.model_id`` == ``EngineConfig.model``), not the served name. Returns at once:
     the actor is resolved (or created) by the background task, so a replica never waits for it."""
     if config is None:
@@ -390,11 +390,6 @@ async def start_fleet_sync(engine, config: FleetSyncConfig | dict | None, *, mod
     if not isinstance(config, FleetSyncConfig):
         config = FleetSyncConfig.model_validate(config)
     if not config.enabled:
-        return None
-    try:
-        getattr(engine, "engine", engine).matrix
-    except AttributeError as e:
-        logger.warning("fleet matrix sync is off for %s: %s", model_id, e)
         return None
     fingerprint = await asyncio.to_thread(tokenizer_fingerprint, tokenizer)  # ~50k items: off the loop
     sync = MatrixSync(engine, config, model_id=model_id, fingerprint=fingerprint)

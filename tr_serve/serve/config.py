@@ -98,6 +98,11 @@ class TRServeConfig(BaseModel):
                                    description="fleet-wide hot start: replicas share one adjacency matrix (tr_serve.fleet)")
     tensor_parallel_size: int = Field(default=1, ge=1, description="ranks the model is split over (tr_serve.tp); "
                                       "> 1: Ray actors in the last N placement group bundles, or a group of their own")
+    init_timeout_s: float = Field(
+        default=600.0, gt=0, description="tensor parallel: how long the replica's start-up may take (placing the "
+                                         "workers, each reading its shard of the weights, downloads included, "
+                                         "the process group, the kernel plan) before it fails; raise it for a "
+                                         "large checkpoint that is not on local disk yet")
 
     # ---- HTTP API ---------------------------------------------------------------------------
     api_keys: list[SecretStr] = Field(default_factory=list,

@@ -45,12 +45,13 @@ class LLMServer:
             torch.set_num_threads(self.config.cpu_threads)
         engine_config = self.config.engine_config()
         t0 = time.monotonic()
-        if self.config.tensor_parallel_size > 1:  # the workers load and shard the model (tr_serve/tp)
-            from tr_serve.tp.engine import TPEngine
+        if self.config.tensor_parallel_size > 1:  # the same Engine; its runner's workers hold the shards (tr_serve/tp)
+            from tr_serve.tp.runner import tp_engine
 
-            core = await asyncio.to_thread(TPEngine, engine_config.model, engine_config,
-                                           self.config.tensor_parallel_size, cpu_threads=self.config.cpu_threads)
-            self.tokenizer, self.vocab_size = core.tokenizer, core.vocab_size
+            core = await asyncio.to_thread(tp_engine, engine_config.model, engine_config,
+                                           self.config.tensor_parallel_size, cpu_threads=self.config.cpu_threads,
+                                           init_timeout_s=self.config.init_timeout_s)
+            self.tokenizer, self.vocab_size = core.tokenizer, int(core.runner.vocab_size)
         else:
             loaded = await asyncio.to_thread(load_model, engine_config.model, engine_config.device, engine_config.dtype)
             self.tokenizer = loaded.tokenizer
@@ -65,8 +66,8 @@ class LLMServer:
         self.metrics.engine_gauges(self.engine.stats())
         from tr_serve.fleet.sync import start_fleet_sync
 
-        # keyed by the weights (EngineConfig.model), not the served name; None when disabled or with
-        # tensor parallelism (the matrix lives in the workers). Never on the token path.
+        # keyed by the weights (EngineConfig.model), not the served name; None when disabled. Never on
+        # the token path.
         self.fleet = await start_fleet_sync(self.engine, self.config.fleet, model_id=engine_config.model,
                                             tokenizer=self.tokenizer)
         self.num_finished = 0  # requests that ran to a finish_reason
@@ -80,9 +81,9 @@ class LLMServer:
         if not self.engine.alive:
             reason = f"after an error: {self.engine.error}" if self.engine.error is not None else "(step thread gone)"
             raise RuntimeError(f"engine stopped {reason}")
-        tp_health = getattr(self.engine.engine, "check_health", None)  # TPEngine: ping every worker
-        if tp_health is not None:
-            tp_health()
+        runner_health = getattr(self.engine.engine.runner, "check_health", None)  # TPModelRunner: pings every worker
+        if runner_health is not None:
+            runner_health()
 
     async def __del__(self) -> None:
         """Serve awaits this at shutdown: a last push of the matrix rows, then the engine stops."""
@@ -92,6 +93,9 @@ class LLMServer:
         engine = getattr(self, "engine", None)
         if engine is not None:
             engine.shutdown()
+            release = getattr(engine.engine.runner, "shutdown", None)  # TPModelRunner: its workers
+            if release is not None:
+                release()
 
     # ---- methods called through the handle ------------------------------------------------------
     async def ping(self) -> dict[str, Any]:

@@ -1,16 +1,15 @@
-"""Tensor parallelism: the model's heads and MLP columns split over N Ray actors, each running a
-full ``Engine`` on its shard in lockstep (``TPEngine`` drives them; ``shard_model`` splits a
-Llama-architecture model). See ``tr_serve/tp/shard.py`` for the layout and ``engine.py`` for the
-execution and failure model."""
+"""Tensor parallelism: the replica's one ``Engine`` drives a ``TPModelRunner`` (``runner.py``) whose
+``N`` Ray actor workers (``worker.py``) hold only their shard of the weights (heads and MLP columns,
+``shard.py``; read slice by slice, ``loading.py``) and of the KV cache, and run the forwards."""
 
 from tr_serve.tp.shard import ShardingError, check_shardable, shard_model
 
-__all__ = ["ShardingError", "check_shardable", "shard_model", "TPEngine", "TPWorkerError"]
+__all__ = ["ShardingError", "check_shardable", "shard_model", "TPModelRunner", "TPWorkerError", "tp_engine"]
 
 
-def __getattr__(name):  # TPEngine imports ray: only when asked for
-    if name in ("TPEngine", "TPWorkerError"):
-        from tr_serve.tp import engine
+def __getattr__(name):  # the runner imports ray: only when asked for
+    if name in ("TPModelRunner", "TPWorkerError", "tp_engine"):
+        from tr_serve.tp import runner
 
-        return getattr(engine, name)
+        return getattr(runner, name)
     raise AttributeError(name)

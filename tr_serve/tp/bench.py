@@ -2,15 +2,19 @@
 
     python -m tr_serve.tp.bench --tp 3 --questions 8 --max-tokens 32 --tree top4
 
-Runs the same requests (chat-encoded first turns, all submitted at once) through ``Engine`` in
-this process and through ``TPEngine`` on a local Ray instance, and prints the per-question token
-agreement (with the top-2 logit gap of the unsharded model at the first difference, if any) and
-the mean wall-clock seconds per engine step of each. Every process uses ``--threads`` torch threads.
+Runs the same requests (chat-encoded first turns, all submitted at once) through ``Engine`` over
+its local ``ModelRunner`` in this process and through the same ``Engine`` over a ``TPModelRunner``
+on a local Ray instance, and prints the per-question token agreement (with the top-2 logit gap of
+the unsharded model at the first difference, if any), the mean wall-clock seconds per engine step
+of each, the phase split of the TP engine's steps (``forward`` = the round trip to the workers), and
+what the TP runner exchanged with its workers per step (Ray messages, pickled call bytes out,
+logits bytes back). Every process uses ``--threads`` torch threads.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import time
@@ -90,8 +94,9 @@ def main(argv=None) -> dict:
 
     from tr_serve.engine.config import EngineConfig
     from tr_serve.engine.engine import Engine
+    from tr_serve.engine.timing import PhaseTimer
     from tr_serve.model_loader import load_model
-    from tr_serve.tp.engine import TPEngine
+    from tr_serve.tp.runner import tp_engine
 
     config = EngineConfig(model=args.model, tree=args.tree, max_num_seqs=args.max_num_seqs, max_model_len=1024)
     loaded = load_model(args.model)
@@ -101,11 +106,15 @@ def main(argv=None) -> dict:
     ray.init(address="local", num_cpus=args.tp + 1, include_dashboard=False, log_to_driver=False,
              configure_logging=False)
     try:
-        tp = TPEngine(args.model, config, args.tp, cpu_threads=args.threads)
+        timer = PhaseTimer("cpu")
+        tp = tp_engine(args.model, config, args.tp, timer=timer, cpu_threads=args.threads, measure_bytes=True)
         try:
+            timer.reset()
+            start = dataclasses.replace(tp.runner.transfer)
             got, tp_times = run_engine(tp, prompts, args.max_tokens)
+            transfer = tp.runner.transfer
         finally:
-            tp.shutdown()
+            tp.runner.shutdown()
     finally:
         ray.shutdown()
     rows = []
@@ -119,7 +128,13 @@ def main(argv=None) -> dict:
         "identical": sum(r["identical"] for r in rows), "tokens_compared": sum(r["tokens"] for r in rows),
         "steps_tp1": len(ref_times), "steps_tp": len(tp_times),
         "mean_step_s_tp1": sum(ref_times) / len(ref_times), "mean_step_s_tp": sum(tp_times) / len(tp_times),
-        "threads_per_process": args.threads, "rows": rows,
+        "threads_per_process": args.threads,
+        "phase_ms_per_step_tp": {k: 1e3 * v / len(tp_times) for k, v in timer.seconds.items()},
+        "forwards_per_step_tp": (transfer.forwards - start.forwards) / len(tp_times),
+        "ray_messages_per_step_tp": (transfer.messages - start.messages) / len(tp_times),
+        "bytes_out_per_step_tp": (transfer.bytes_out - start.bytes_out) / len(tp_times),
+        "bytes_back_per_step_tp": (transfer.bytes_back - start.bytes_back) / len(tp_times),
+        "rows": rows,
     }
     for r in rows:
         print(f"q{r['question_id']}: {r['tokens']} tokens, "
@@ -127,6 +142,9 @@ def main(argv=None) -> dict:
     print(f"{result['identical']}/{result['questions']} identical ({result['tokens_compared']} tokens); "
           f"mean step: tp1 {result['mean_step_s_tp1'] * 1e3:.1f} ms over {result['steps_tp1']} steps, "
           f"tp{args.tp} {result['mean_step_s_tp'] * 1e3:.1f} ms over {result['steps_tp']} steps")
+    print(f"tp{args.tp} per step: {result['ray_messages_per_step_tp']:.1f} Ray messages, "
+          f"{result['bytes_out_per_step_tp'] / 1e3:.1f} kB out, {result['bytes_back_per_step_tp'] / 1e6:.2f} MB back; "
+          + ", ".join(f"{k} {v:.1f} ms" for k, v in result["phase_ms_per_step_tp"].items()))
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2))
     return result

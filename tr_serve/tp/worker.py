@@ -1,25 +1,23 @@
-"""One tensor-parallel rank: a full ``Engine`` over this rank's shard of the model.
+"""One tensor-parallel rank: this rank's shard of the weights and of the KV cache, and nothing else.
 
-Every rank receives the same commands (add / abort) and steps in lockstep. The shards' partial
-sums meet in the all-reduces after ``o_proj`` and ``down_proj``, so every rank sees the same
-logits; drafting, acceptance, recycling, sampling (per-request seeded generators) and stop rules
-are deterministic functions of those logits and of the commands, so every rank's engine takes the
-same decisions and issues the same sequence of collectives. Only rank 0's outputs go back to the
-caller; every rank returns a digest of its state so that a divergence is caught at the step it
-happens instead of as a mismatched collective later.
+A ``TPWorker`` holds a local ``ModelRunner`` over its shard (``tr_serve.tp.loading`` /
+``tr_serve.tp.shard``: a third of the heads and of the MLP at tp=3, replicated embeddings, norms and
+``lm_head``) and runs the runner calls that ``TPModelRunner`` (``tr_serve/tp/runner.py``) sends it:
+``prefill`` / ``verify`` after the queued ``free`` / ``compact`` calls, in the order the engine
+made them. Every rank gets the same calls; the shards' partial sums meet in the all-reduces after
+``o_proj`` and ``down_proj``, so every rank computes the same hidden states and logits, and only
+rank 0 sends its result back. There is no scheduler, matrix, sampler or request here: the
+replica's one ``Engine`` decides everything, so the ranks cannot diverge.
 
-The class is a plain Python class: ``TPEngine`` wraps it with ``ray.remote``; tests can drive it
-directly.
+The class is a plain Python class: ``TPModelRunner`` wraps it with ``ray.remote``; tests can drive
+it directly.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import hashlib
 import logging
 import os
 import socket
-from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any, Callable
 
@@ -46,66 +44,18 @@ def free_port(host: str) -> int:
         return s.getsockname()[1]
 
 
-def engine_digest(engine, outputs) -> str:
-    """A short fingerprint of the scheduler state after a step (identical on every rank when the
-    ranks agree)."""
-    h = hashlib.blake2b(digest_size=12)
-    for name, queue in (("w", engine.waiting), ("p", engine.prefilling), ("r", engine.running)):
-        for r in queue:
-            last = r.output_ids[-1] if r.output_ids else -1
-            h.update(f"{name}:{r.request_id}:{r.row}:{r.num_prefilled}:{len(r.output_ids)}:{last};".encode())
-    for o in outputs:
-        h.update(f"o:{o.request_id}:{len(o.token_ids)}:{o.finished}:{o.finish_reason};".encode())
-    h.update(repr(engine.runner.cache.lens.tolist()).encode())
-    return h.hexdigest()
-
-
-@contextmanager
-def shared_calibration(rank: int, world_size: int):
-    """While an ``Engine`` with ``budget="auto"`` is built: every rank uses rank 0's latency table.
-
-    Each rank would otherwise time its own forwards, get slightly different tables, choose
-    different tree budgets and fall out of lockstep. The measurement itself runs on every rank
-    together (its forwards are collectives); the table is cached per model, device and world size.
-    """
-    import torch.distributed as dist
-
-    from tr_serve.disk_cache import load_json, save_json
-    from tr_serve.runner import calibration as cal
-
-    original = cal.load_or_measure
-
-    def load_or_measure(runner, model_id: str, max_tokens: int):
-        path = cal.cache_root() / "calibration" / f"{cal.calibration_key(f'{model_id}|tp{world_size}', runner)}.json"
-        box: list[Any] = [None]
-        if rank == 0:
-            box[0] = load_json(path, lambda data: cal.parse_table(data, max_tokens), "calibration")
-        dist.broadcast_object_list(box, src=0)
-        if box[0] is None:
-            box = [cal.measure(runner, max_tokens)]
-            dist.broadcast_object_list(box, src=0)  # every rank adopts rank 0's timings
-            if rank == 0:
-                save_json(path, {"tokens": box[0].tokens, "seconds": box[0].seconds, "model": model_id,
-                                 "tensor_parallel_size": world_size}, "calibration")
-        return box[0]
-
-    cal.load_or_measure = load_or_measure
-    try:
-        yield
-    finally:
-        cal.load_or_measure = original
-
-
 class TPWorker:
     """Rank ``rank`` of ``world_size``. Call order: ``rendezvous`` (rank 0 only), ``setup`` on
-    every rank at once (it blocks until all ranks joined), then ``step`` on every rank per step."""
+    every rank at once (it blocks until all ranks joined), ``allocate`` on every rank, then
+    ``run`` on every rank for each forward the engine asks for."""
 
     def __init__(self, rank: int, world_size: int, cpu_threads: int | None = None):
         self.rank = rank
         self.world_size = world_size
         if cpu_threads:
             torch.set_num_threads(cpu_threads)
-        self.engine = None
+        self.loaded = None
+        self.runner = None
 
     # ---- start-up -----------------------------------------------------------------------------
     def node_id(self) -> str:
@@ -121,17 +71,16 @@ class TPWorker:
         return f"tcp://{host}:{free_port(host)}"
 
     def setup(self, init_method: str, model, config, loopback: bool, timeout_s: float = 600.0) -> dict:
-        """Load (``model`` is a path / alias, or a ``LoadedModel``), join the group, shard, and
-        build this rank's ``Engine``. Returns what the driver needs to know."""
+        """Load this rank's shard (``model`` is a path / alias, read slice by slice, or a
+        ``LoadedModel`` shipped whole and sliced here) and join the process group. Returns what
+        the driver needs to know."""
         import torch.distributed as dist
 
-        from tr_serve.engine.engine import Engine
         from tr_serve.model_loader import LoadedModel, parse_dtype
         from tr_serve.tp.shard import check_shardable, shard_model
 
         cuda = config.device.startswith("cuda")
         device = "cuda" if cuda else config.device  # Ray gives each worker its GPU as cuda:0
-        config = dataclasses.replace(config, device=device)
         if cuda:
             torch.cuda.set_device(0)
         sharded = None
@@ -155,46 +104,66 @@ class TPWorker:
             model_.to(device)
             loaded = LoadedModel(model_, loaded.tokenizer, loaded.model_id, loaded.eos_token_ids)
         else:
-            loaded, model_ = sharded, sharded.model
-        with shared_calibration(self.rank, self.world_size):
-            # ranks must choose the same tree budget: no per-rank timing corrections online
-            self.engine = Engine(loaded, dataclasses.replace(config, online_latency=False))
-        cfg = model_.config
-        return {"rank": self.rank, "pid": os.getpid(), "num_rows": self.engine.num_rows,
-                "vocab_size": int(cfg.vocab_size), "eos_token_ids": tuple(loaded.eos_token_ids),
-                "model_id": loaded.model_id, "heads_per_rank": cfg.num_attention_heads,
-                "kv_heads_per_rank": cfg.num_key_value_heads, "backend": backend}
+            loaded = sharded
+        self.loaded = loaded
+        cfg = loaded.model.config
+        dtype = next(loaded.model.parameters()).dtype
+        return {"rank": self.rank, "pid": os.getpid(), "vocab_size": int(cfg.vocab_size),
+                "eos_token_ids": tuple(loaded.eos_token_ids), "model_id": loaded.model_id,
+                "heads_per_rank": cfg.num_attention_heads, "kv_heads_per_rank": cfg.num_key_value_heads,
+                "backend": backend, "dtype": str(dtype).removeprefix("torch.")}
 
     def tokenizer(self):
-        return self.engine.tokenizer
+        return self.loaded.tokenizer
+
+    def allocate(self, max_len: int, max_rows: int, kv_cache_memory_gb: float | None, cpu_kernels: str) -> dict:
+        """This rank's ``ModelRunner``: its KV-cache shard of ``num_rows`` rows of ``max_len``
+        tokens. The rows follow the engine's rule (``max_num_seqs``, fewer if the KV memory budget
+        says so) for this rank's kv heads: the budget is per device, like the cache shard."""
+        from tr_serve.runner.cpu_kernels import select_plan
+        from tr_serve.runner.model_runner import ModelRunner, rows_within_budget
+
+        model = self.loaded.model
+        dtype = next(model.parameters()).dtype
+        num_rows = rows_within_budget(model.config, max_len, dtype, max_rows, kv_cache_memory_gb)
+        plan = select_plan(model) if cpu_kernels == "auto" else None  # None unless fp32 on CPU
+        self.runner = ModelRunner(model, num_rows, max_len, kernel_plan=plan)
+        return {"num_rows": num_rows, "kernel_plan": repr(plan)}
 
     # ---- serving ------------------------------------------------------------------------------
-    def step(self, commands: list[tuple]) -> dict:
-        """Apply ``commands`` (``("add", id, prompt_ids, params)`` / ``("abort", id)``), step once.
-        Rank 0 returns the outputs and the scheduler's state; every rank returns its digest."""
-        engine = self.engine
-        for cmd in commands:
-            if cmd[0] == "add":
-                _, request_id, prompt_ids, params = cmd
-                engine.add_request(prompt_ids, params, request_id=request_id)
-            elif cmd[0] == "abort":
-                engine.abort(cmd[1])
+    def run(self, ops: list[tuple]) -> Any:
+        """Apply ``ops`` in order: ``("free", row)``, ``("compact", rows, keep)``, then at most one
+        forward, ``("prefill", rows, prompts, all_positions)`` or ``("verify", rows, tokens,
+        depths, tree_mask, lengths)``. Rank 0 returns the forward's result, the others None."""
+        runner = self.runner
+        result = None
+        for op in ops:
+            kind = op[0]
+            if kind == "free":
+                runner.free(op[1])
+            elif kind == "compact":
+                runner.compact(op[1], op[2])
+            elif kind == "prefill":
+                result = runner.prefill(op[1], op[2], all_positions=op[3])
+            elif kind == "verify":
+                _, rows, tokens, depths, mask, lengths = op
+                if lengths is None:  # only passed when given: a runner without the argument still works
+                    result = runner.verify(rows, tokens, depths, mask)
+                else:
+                    result = runner.verify(rows, tokens, depths, mask, lengths=lengths)
             else:
-                raise ValueError(f"unknown command {cmd[0]!r}")
-        outputs = engine.step() if engine.has_unfinished() else []
-        reply: dict[str, Any] = {"digest": engine_digest(engine, outputs)}
-        if self.rank == 0:
-            reply["outputs"] = outputs
-            reply["state"] = {"waiting": [r.request_id for r in engine.waiting],
-                              "prefilling": [r.request_id for r in engine.prefilling],
-                              "running": [r.request_id for r in engine.running],
-                              "free_rows": list(engine.free_rows),
-                              "unfinished": engine.has_unfinished()}
-        return reply
+                raise ValueError(f"unknown runner call {kind!r}")
+        if self.rank != 0:
+            return None
+        return _to_host(result)
+
+    def lengths(self) -> list[int]:
+        """This rank's KV-cache lengths (tests: every rank agrees with the driver's mirror)."""
+        return self.runner.cache.lens.tolist()
 
     def call(self, fn: Callable[[Any], Any]):
-        """``fn(engine)`` on this rank (between steps; must act identically on every rank)."""
-        return fn(self.engine)
+        """``fn(worker)`` on this rank (tests, debugging)."""
+        return fn(self)
 
     def ping(self) -> int:
         return self.rank
@@ -204,3 +173,17 @@ class TPWorker:
 
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _to_host(result):
+    """The forward's result in host memory (the driver holds no GPU)."""
+    if result is None:
+        return None
+    if isinstance(result, torch.Tensor):
+        return result.cpu()
+    if isinstance(result, (tuple, list)):
+        return type(result)(_to_host(r) for r in result)
+    return result
+
+
+__all__ = ["TPWorker", "free_port", "loopback_interface"]

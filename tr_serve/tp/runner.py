@@ -1,0 +1,368 @@
+"""``TPModelRunner``: the runner contract of ``ModelRunner`` (``tr_serve/runner/model_runner.py``)
+over ``N`` tensor-parallel Ray actors, so that the replica's one ordinary ``Engine`` drives them.
+
+The driver-worker shape of nano-vllm and vLLM: the replica's ``Engine`` schedules, drafts, accepts,
+samples, recycles, keeps the budget and the stop rules once, on the replica; each call of the
+runner contract goes to every ``TPWorker`` (``tr_serve/tp/worker.py``), which holds only its weight
+shard and its KV-cache shard and runs the forward (all-reducing with the other ranks); rank 0 sends
+back what the engine needs. Nothing else of the engine is replicated, so there is no lockstep to
+keep and nothing for the ranks to disagree on: fleet sync and the budget's online latency
+correction work under TP unchanged, and the budget's latency table is measured through this
+runner (its forwards include the round trip to the workers, which is what a step costs).
+
+What comes back: full float32 logits, exactly what ``ModelRunner`` returns (``[b, q, V]`` for a
+verify; for a prefill the last position's ``[b, V]``, plus every prompt position's when prompt
+seeding asks for them). Argmax acceptance, the matrix's top-k and sampling (``walk_tree`` reads
+whole rows) all read them unchanged. What it costs is measured by ``tr_serve/tp/bench.py``
+(``bytes_back_per_step``); see the README.
+
+Messages: each forward is one Ray call per rank plus its reply (``2 N`` per step); ``free`` and
+``compact`` do not cost a message of their own: they are queued and travel, in order, with the
+next forward (``length()`` answers from a mirror of the cache lengths kept here, exactly as the
+ranks' caches will have them).
+
+Placement: inside a placement group (a Serve replica deployed with ``placement_group_bundles``) the
+workers take the group's last ``N`` bundles, so ``N + 1`` bundles leave bundle 0 to the replica
+itself; otherwise the runner reserves its own ``STRICT_PACK`` group of ``N`` bundles (``{"CPU": 1}``
+each, or ``{"GPU": 1}`` on CUDA) and removes it on ``shutdown()``. The workers are owned by the
+process that built the runner: when it dies (Serve replacing the replica), they die.
+
+Failure: a worker that dies, raises or does not answer a call within ``step_timeout_s`` makes the
+call raise ``TPWorkerError``; the runner is then dead (every worker is killed, later calls raise),
+the engine's step raises, ``AsyncEngine`` fails the requests in flight, and ``check_health()``
+(which also pings every worker within ``ping_timeout_s``) raises, so Serve replaces the replica.
+Start-up (placement, loading each rank's shard, the process group, the kernel plan) must finish
+within ``init_timeout_s`` (``init_timeout_s`` in the Serve config).
+"""
+
+from __future__ import annotations
+
+import logging
+import pickle
+import time
+import uuid
+from dataclasses import dataclass
+
+import torch
+
+from tr_serve.engine.config import EngineConfig
+
+logger = logging.getLogger(__name__)
+
+WORKER_NAME_PREFIX = "tr_tp_worker"
+
+
+class TPWorkerError(RuntimeError):
+    """A tensor-parallel worker died, failed or hung; the runner serves nothing more."""
+
+
+def worker_name(tag: str, rank: int) -> str:
+    return f"{WORKER_NAME_PREFIX}:{tag}:{rank}"
+
+
+def _serve_replica_tag() -> str | None:
+    try:
+        from ray import serve
+
+        return serve.get_replica_context().replica_tag
+    except Exception:  # not inside a Serve replica
+        return None
+
+
+@dataclass(frozen=True)
+class TPKernels:
+    """The runner's ``kernel_plan``: it keys the latency calibration (``calibration_key``), so a
+    table measured at one world size or kernel plan is never used at another."""
+
+    world_size: int
+    backend: str
+    rank_plan: str  # repr of rank 0's KernelPlan (None when torch's own linears)
+
+
+@dataclass
+class TransferStats:
+    """What the driver exchanged with the workers (``tr_serve/tp/bench.py`` reports it)."""
+
+    forwards: int = 0
+    messages: int = 0  # Ray calls + replies
+    bytes_out: int = 0  # pickled call payload (put once in the object store, read by every rank)
+    bytes_back: int = 0  # tensor bytes of rank 0's reply
+    seconds: float = 0.0  # wall time of the forwards, round trip included
+
+
+class TPModelRunner:
+    def __init__(self, model, config: EngineConfig, tensor_parallel_size: int, *, cpu_threads: int | None = None,
+                 step_timeout_s: float = 60.0, ping_timeout_s: float = 10.0, init_timeout_s: float = 600.0,
+                 tag: str | None = None, placement_group=None, measure_bytes: bool = False):
+        """``model``: a path / hub id / the embedded alias (each worker reads its own slices), or a
+        ``LoadedModel`` (shipped to the workers through the object store; small models, tests)."""
+        import ray
+        from ray.util.placement_group import get_current_placement_group
+        from ray.util.placement_group import placement_group as make_placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        from tr_serve.tp.worker import TPWorker
+
+        if tensor_parallel_size < 2:
+            raise ValueError(f"TPModelRunner needs tensor_parallel_size >= 2, got {tensor_parallel_size} "
+                             "(use ModelRunner)")
+        if not ray.is_initialized():
+            ray.init()
+        n = tensor_parallel_size
+        self.config = config
+        self.world_size = n
+        self.step_timeout_s = step_timeout_s
+        self.ping_timeout_s = ping_timeout_s
+        self.init_timeout_s = init_timeout_s
+        self.measure_bytes = measure_bytes
+        self.tag = tag or _serve_replica_tag() or uuid.uuid4().hex[:10]
+        cuda = config.device.startswith("cuda")
+        self._error: BaseException | None = None
+        self._pending: list[tuple] = []  # free / compact calls, sent with the next forward
+        self.workers: list = []
+        self.worker_names: list[str] = []
+        self._own_pg = None
+        self.transfer = TransferStats()
+        # the runner contract; num_rows, max_len, kernel_plan once allocate() ran
+        self.device = torch.device("cpu")  # where the logits arrive: the replica's host memory
+        self.num_rows: int | None = None
+        self.max_len: int | None = None
+        self.kernel_plan: TPKernels | None = None
+        self._lens: torch.Tensor | None = None
+
+        pg = placement_group if placement_group is not None else get_current_placement_group()
+        try:
+            if pg is None:
+                bundle = {"GPU": 1} if cuda else {"CPU": 1}
+                pg = self._own_pg = make_placement_group([dict(bundle) for _ in range(n)], strategy="STRICT_PACK",
+                                                         name=f"tr_tp:{self.tag}")
+                try:
+                    ray.get(pg.ready(), timeout=init_timeout_s)
+                except ray.exceptions.GetTimeoutError:
+                    raise TPWorkerError(f"could not reserve {n} x {bundle} on one node within {init_timeout_s:.0f} s "
+                                        f"(cluster resources: {ray.cluster_resources()})") from None
+            specs = pg.bundle_specs
+            if len(specs) < n:
+                raise ValueError(f"tensor_parallel_size={n} needs {n} placement group bundles for its workers "
+                                 f"(plus one for the replica); the current placement group has {len(specs)}: {specs}")
+            first = len(specs) - n
+            worker_cls = ray.remote(TPWorker)
+            for rank in range(n):
+                index = first + rank
+                spec = specs[index]
+                shared = self._own_pg is None and index == 0  # the caller lives in bundle 0
+                if cuda:
+                    if spec.get("GPU", 0) < 1:
+                        raise ValueError(f"bundle {index} {spec} has no GPU for tensor-parallel rank {rank}")
+                    num_cpus, num_gpus = 0, 1
+                else:
+                    num_cpus, num_gpus = (0 if shared else min(1, spec.get("CPU", 0))), 0
+                threads = cpu_threads or (max(1, int(spec.get("CPU", 1))) if not cuda else None)
+                name = worker_name(self.tag, rank)
+                self.worker_names.append(name)
+                self.workers.append(worker_cls.options(
+                    name=name, max_concurrency=2,  # ping answers while a forward runs
+                    num_cpus=num_cpus, num_gpus=num_gpus, max_restarts=0,
+                    scheduling_strategy=PlacementGroupSchedulingStrategy(
+                        placement_group=pg, placement_group_bundle_index=index,
+                        placement_group_capture_child_tasks=True),
+                ).remote(rank, n, threads))
+            nodes = self._gather([w.node_id.remote() for w in self.workers], init_timeout_s, "start-up")
+            loopback = len(set(nodes)) == 1
+            init_method = self._gather([self.workers[0].rendezvous.remote(loopback)], init_timeout_s,
+                                       "start-up", ranks=[0])[0]
+            shipped = ray.put(model) if not isinstance(model, str) else model
+            infos = self._gather([w.setup.remote(init_method, shipped, config, loopback, init_timeout_s)
+                                  for w in self.workers], init_timeout_s, "start-up")
+            self.tokenizer = self._gather([self.workers[0].tokenizer.remote()], init_timeout_s, "start-up",
+                                          ranks=[0])[0]
+        except BaseException:
+            self.shutdown()
+            raise
+        info = infos[0]
+        self.info = info
+        self.loopback = loopback
+        self.init_method = init_method
+        self.vocab_size: int = info["vocab_size"]
+        self.dtype: torch.dtype = getattr(torch, info["dtype"])
+        self.eos_token_ids: tuple[int, ...] = tuple(info["eos_token_ids"])
+        self.model_id: str = info["model_id"]
+        logger.info("tensor parallel x%d (%s, %s init %s): %d heads / %d kv heads per rank; workers %s",
+                    n, info["backend"], "loopback" if loopback else "node ip", init_method,
+                    info["heads_per_rank"], info["kv_heads_per_rank"], self.worker_names)
+
+    # ---- building the engine -------------------------------------------------------------------
+    @property
+    def loaded(self):
+        """A ``LoadedModel`` for ``Engine`` (tokenizer, ids); its ``model`` is None: the weights
+        live in the workers, and the engine only reaches them through this runner."""
+        from tr_serve.model_loader import LoadedModel
+
+        return LoadedModel(None, self.tokenizer, self.model_id, self.eos_token_ids)
+
+    def allocate(self, max_len: int) -> tuple["TPModelRunner", int]:
+        """``Engine``'s runner factory: every rank builds its ``ModelRunner`` (KV-cache shard of
+        rows of ``max_len`` tokens, kernel plan); returns (this runner, the number of rows)."""
+        self._raise_if_dead()
+        c = self.config
+        replies = self._gather([w.allocate.remote(max_len, c.max_num_seqs, c.kv_cache_memory_gb, c.cpu_kernels)
+                                for w in self.workers], self.init_timeout_s, "start-up")
+        rows = {r["num_rows"] for r in replies}
+        if len(rows) != 1:
+            self._fail(TPWorkerError(f"tensor-parallel ranks allocated different KV-cache rows: {sorted(rows)}"))
+        self.num_rows = replies[0]["num_rows"]
+        self.max_len = max_len
+        self.kernel_plan = TPKernels(self.world_size, self.info["backend"], replies[0]["kernel_plan"])
+        self._lens = torch.zeros(self.num_rows, dtype=torch.long)
+        return self, self.num_rows
+
+    # ---- the runner contract ---------------------------------------------------------------------
+    def length(self, row: int) -> int:
+        return int(self._lens[row])
+
+    def free(self, row: int) -> None:
+        self._raise_if_dead()
+        self._pending.append(("free", int(row)))
+        self._lens[row] = 0
+
+    def compact(self, rows: torch.Tensor, keep: list[torch.Tensor]) -> None:
+        self._raise_if_dead()
+        rows = rows.cpu()
+        keep = [k.cpu() for k in keep]
+        self._pending.append(("compact", rows, keep))
+        for row, k in zip(rows.tolist(), keep):
+            self._lens[row] += len(k)
+
+    def prefill(self, rows: torch.Tensor, prompts: list[list[int]], all_positions: bool = False):
+        """As ``ModelRunner.prefill``: (last_logits [b, V], every position's logits per row or None)."""
+        rows = rows.cpu()
+        result = self._forward(("prefill", rows, [list(p) for p in prompts], all_positions))
+        for row, p in zip(rows.tolist(), prompts):
+            self._lens[row] += len(p)
+        return result
+
+    def verify(self, rows: torch.Tensor, tokens: torch.Tensor, depths: torch.Tensor, tree_mask: torch.Tensor,
+               lengths: torch.Tensor | None = None) -> torch.Tensor:
+        """As ``ModelRunner.verify``: logits [b, q, V]; ``lengths`` goes to every rank's runner as given."""
+        lengths = lengths.cpu() if lengths is not None else None
+        return self._forward(("verify", rows.cpu(), tokens.cpu(), depths.cpu(), tree_mask.cpu(), lengths))
+
+    # ---- health ---------------------------------------------------------------------------------
+    def check_health(self) -> None:
+        """Raise unless every worker answers a ping within ``ping_timeout_s``."""
+        self._raise_if_dead()
+        import ray
+
+        refs = [w.ping.remote() for w in self.workers]
+        ready, pending = ray.wait(refs, num_returns=len(refs), timeout=self.ping_timeout_s)
+        for rank, ref in enumerate(refs):
+            if ref in ready:
+                try:
+                    ray.get(ref)
+                except Exception as e:
+                    raise TPWorkerError(f"tensor-parallel worker {self.worker_names[rank]} is dead: {e}") from e
+        if pending:
+            hung = [self.worker_names[refs.index(r)] for r in pending]
+            raise TPWorkerError(f"tensor-parallel worker(s) {hung} did not answer a ping in {self.ping_timeout_s} s")
+
+    @property
+    def alive(self) -> bool:
+        return self._error is None
+
+    def shutdown(self) -> None:
+        import ray
+
+        for w in self.workers:
+            try:
+                ray.kill(w, no_restart=True)
+            except Exception:
+                pass
+        if self._own_pg is not None:
+            from ray.util.placement_group import remove_placement_group
+
+            try:
+                remove_placement_group(self._own_pg)
+            except Exception:
+                pass
+            self._own_pg = None
+
+    # ---- internals ----------------------------------------------------------------------------
+    def _forward(self, op: tuple):
+        """The queued free / compact calls and ``op`` on every rank: one Ray call each (the payload
+        put once in the object store); rank 0's result."""
+        import ray
+
+        self._raise_if_dead()
+        ops, self._pending = self._pending + [op], []
+        t0 = time.perf_counter()
+        payload = ray.put(ops)
+        result = self._gather([w.run.remote(payload) for w in self.workers], self.step_timeout_s, "step",
+                              detail=op[0])[0]
+        t = self.transfer
+        t.seconds += time.perf_counter() - t0
+        t.forwards += 1
+        t.messages += 2 * self.world_size
+        if self.measure_bytes:
+            t.bytes_out += len(pickle.dumps(ops))
+            t.bytes_back += _tensor_bytes(result)
+        return result
+
+    def _raise_if_dead(self) -> None:
+        if self._error is not None:
+            raise TPWorkerError(f"tensor-parallel runner is dead: {self._error}")
+
+    def _fail(self, error: BaseException):
+        """Mark the runner dead, kill the workers (peers of a dead rank may block in a collective)
+        and raise ``error``."""
+        self._error = error
+        logger.error("tensor-parallel runner failed: %s", error)
+        self.shutdown()
+        raise error
+
+    def _gather(self, refs: list, timeout_s: float, what: str, ranks: list[int] | None = None,
+                detail: str | None = None) -> list:
+        """Results of one call per rank; fails fast when any rank fails, and after ``timeout_s``."""
+        import ray
+
+        names = [self.worker_names[r] for r in (ranks if ranks is not None else range(len(refs)))]
+        where = f"{what} ({detail})" if detail else what
+        deadline = time.monotonic() + timeout_s
+        pending = list(refs)
+        while pending:
+            ready, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
+            if not ready:
+                hung = [names[refs.index(r)] for r in pending]
+                self._fail(TPWorkerError(f"tensor-parallel {what} timed out after {timeout_s:.0f} s; no answer "
+                                         f"from {hung}" + (f" ({detail})" if detail else "")))
+            try:
+                ray.get(ready[0])
+            except Exception as e:
+                rank = refs.index(ready[0])
+                self._fail(TPWorkerError(f"tensor-parallel worker {names[rank]} failed in {where}: "
+                                         f"{type(e).__name__}: {e}"))
+        return ray.get(refs)
+
+
+def _tensor_bytes(obj) -> int:
+    if isinstance(obj, torch.Tensor):
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, (tuple, list)):
+        return sum(_tensor_bytes(o) for o in obj)
+    return 0
+
+
+def tp_engine(model, config: EngineConfig, tensor_parallel_size: int, *, matrix=None, timer=None, **runner_options):
+    """The replica's ordinary ``Engine`` (``matrix``, ``timer`` as there) over a ``TPModelRunner``
+    (``runner_options`` go to it). The runner is ``engine.runner``; ``engine.runner.shutdown()``
+    releases the workers."""
+    from tr_serve.engine.engine import Engine
+
+    runner = TPModelRunner(model, config, tensor_parallel_size, **runner_options)
+    try:
+        return Engine(runner.loaded, config, matrix=matrix, timer=timer, runner=runner.allocate)
+    except BaseException:
+        runner.shutdown()
+        raise
+
+
+__all__ = ["TPKernels", "TPModelRunner", "TPWorkerError", "TransferStats", "tp_engine", "worker_name"]
