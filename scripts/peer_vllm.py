@@ -219,7 +219,7 @@ def ask_tr_python(tr_python: str, args: argparse.Namespace, model_dir: str | Non
            "--per-category", str(args.per_category), "--warmup", str(args.warmup)]
     if model_dir:
         cmd += ["--model-dir", model_dir]
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV", "LD_PRELOAD")}
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=str(ROOT), env=env)
     if proc.returncode != 0:
         tail = (proc.stderr.strip().splitlines() or ["no output"])[-1]
@@ -253,6 +253,7 @@ class Method:
     speculative_config: dict | None = None
     llm: Any = None
     forward_count: Any = None  # list[int] the forward hook increments (the engine runs in process)
+    llm_args: dict | None = None
     runs: list[Run] = field(default_factory=list)
 
 
@@ -328,6 +329,8 @@ def summarize(methods: list[Method], categories: list[str]) -> dict:
             "verification_forwards": fwd,
             "accepted": acc,
         }
+        if m.llm_args:
+            entry["llm_args"] = {k: v for k, v in m.llm_args.items() if k not in ("model", "tokenizer")}
         if m.speculative_config:
             entry["speculative_config"] = m.speculative_config
             spec = [r.spec for r in m.runs if r.spec is not None]
@@ -421,14 +424,21 @@ def _spec_delta(before: dict, after: dict) -> dict:
     return d
 
 
+def llm_args(m: Method, model_dir: str, max_model_len: int) -> dict[str, Any]:
+    """``vllm.LLM`` arguments: float32, eager, one sequence; prefix caching off, as tr_serve's engine
+    (every prompt is prefilled whole); stats on for the n-gram engine only (its counters)."""
+    kwargs: dict[str, Any] = dict(model=model_dir, tokenizer=model_dir, dtype="float32", enforce_eager=True,
+                                  max_num_seqs=1, max_model_len=max_model_len, enable_prefix_caching=False,
+                                  seed=0, disable_log_stats=m.speculative_config is None)
+    if m.speculative_config:
+        kwargs["speculative_config"] = dict(m.speculative_config)
+    return kwargs
+
+
 def make_llm(m: Method, model_dir: str, max_model_len: int):
     from vllm import LLM
 
-    kwargs: dict[str, Any] = dict(model=model_dir, tokenizer=model_dir, dtype="float32", enforce_eager=True,
-                                  max_num_seqs=1, max_model_len=max_model_len, seed=0,
-                                  disable_log_stats=m.speculative_config is None)
-    if m.speculative_config:
-        kwargs["speculative_config"] = dict(m.speculative_config)
+    kwargs = llm_args(m, model_dir, max_model_len)
     llm = LLM(**kwargs)
     count = [0]
 
@@ -481,7 +491,7 @@ def environment(threads_bind: str) -> dict:
         "torch": torch.__version__,
         "transformers": transformers.__version__,
         "torch_threads": bind_threads(threads_bind),
-        "vllm_env": {k: os.environ.get(k) for k in (*VLLM_ENV, "VLLM_CPU_OMP_THREADS_BIND")},
+        "vllm_env": {k: os.environ.get(k) for k in (*VLLM_ENV, "VLLM_CPU_OMP_THREADS_BIND", "LD_PRELOAD")},
         "cpu_kernels": "vllm",
         "kernel_plan": "vllm",
         "python": platform.python_version(),
@@ -527,6 +537,7 @@ def run_peer(args: argparse.Namespace, progress: bool = True) -> dict:
 
     methods = build_methods()
     for m in methods:  # plain first: the n-gram engine's metrics are the ones left registered
+        m.llm_args = llm_args(m, model_dir, max_model_len)
         m.llm, m.forward_count = make_llm(m, model_dir, max_model_len)
 
     def log(msg: str) -> None:
@@ -629,6 +640,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--tr-python", default=str(DEFAULT_TR_PYTHON), metavar="PYTHON",
                    help="the project venv's python: gives the model folder and checks the prompt token ids against "
                         f"tr_serve's own code (default: {DEFAULT_TR_PYTHON}; '' skips)")
+    p.add_argument("--ld-preload", action="store_true",
+                   help="re-run under LD_PRELOAD of Intel OpenMP (this venv's libiomp5) and tcmalloc if installed "
+                        "(apt-get install libtcmalloc-minimal4), as vLLM's CPU guide advises (default: off)")
     p.add_argument("--json", dest="json_out", default=DEFAULT_JSON, metavar="OUT", help=f"default: {DEFAULT_JSON}")
     g = p.add_mutually_exclusive_group()
     g.add_argument("--print-model-dir", action="store_true",
@@ -640,8 +654,31 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
+def preload_libs() -> list[str]:
+    """What vLLM's CPU guide preloads: Intel OpenMP (shipped in this venv by intel-openmp) and
+    tcmalloc (Debian's libtcmalloc-minimal4), those that are there."""
+    found = []
+    for pattern in (os.path.join(sys.prefix, "lib", "libiomp5.so"),
+                    "/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4", "/usr/lib/x86_64-linux-gnu/libtcmalloc.so.4"):
+        if os.path.exists(pattern):
+            found.append(pattern)
+            if "tcmalloc" in pattern:
+                break
+    return found
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    args = parser().parse_args(argv)
+    raw = list(sys.argv[1:] if argv is None else argv)
+    args = parser().parse_args(raw)
+    if args.ld_preload and os.environ.get("PEER_VLLM_PRELOADED") != "1":
+        libs = preload_libs()
+        if not libs:
+            print("peer_vllm.py: error: --ld-preload found neither libiomp5 nor tcmalloc", file=sys.stderr)
+            return 2
+        env = dict(os.environ, PEER_VLLM_PRELOADED="1",
+                   LD_PRELOAD=":".join(libs + [p for p in os.environ.get("LD_PRELOAD", "").split(":") if p]))
+        sys.stdout.flush()
+        os.execve(sys.executable, [sys.executable, str(Path(__file__).resolve()), *raw], env)
     try:
         if args.print_model_dir:
             print(tr_model_dir())

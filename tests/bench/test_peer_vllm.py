@@ -102,6 +102,18 @@ def test_thread_bind(peer, monkeypatch):
     assert peer.bind_threads("0-1") == 2
 
 
+def test_llm_args_are_the_issues_set_up(peer):
+    plain, ngram = peer.build_methods()
+    a = peer.llm_args(plain, "/m", 2048)
+    assert a["dtype"] == "float32" and a["enforce_eager"] and a["max_num_seqs"] == 1
+    assert a["enable_prefix_caching"] is False  # tr_serve prefills every prompt whole
+    assert "speculative_config" not in a
+    b = peer.llm_args(ngram, "/m", 2048)
+    assert b["speculative_config"] == {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2,
+                                       "prompt_lookup_max": 4}
+    assert b["disable_log_stats"] is False  # its spec-decode counters
+
+
 def _peer_result(peer, ngram_ids=None) -> dict:
     """A peer JSON from made-up runs: 2 questions, the n-gram run leaving plain on the second one
     when ``ngram_ids`` says so."""
