@@ -63,7 +63,8 @@ VLLM_ENV = {
     "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
     "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
     "HF_HUB_OFFLINE": "1",
-    "VLLM_LOGGING_LEVEL": "WARNING",  # its per-10 s stats lines otherwise flood stderr
+    "VLLM_LOGGING_LEVEL": "WARNING",  # its per-10 s stats lines otherwise flood the log
+    "VLLM_LOGGING_STREAM": "ext://sys.stderr",  # stdout: the table only
 }
 SPEC_METRICS = {
     "vllm:spec_decode_num_drafts": "drafts",
