@@ -29,7 +29,7 @@ def _top2_gap(model, ids: list[int]) -> float:
     return float(top[0] - top[1])
 
 
-@pytest.mark.parametrize("tree", ["top8", "2.2.2+ctx"])  # one tree for all rows; a tree per row
+@pytest.mark.parametrize("tree", ["top8", "2.2.2+ctx", "auto"])  # one tree for all rows; a tree per row; a plan per row (packed)
 def test_eight_concurrent_requests_equal_each_alone(loaded, spec_bench_rows, tree):
     prompts = [encode_prompt(loaded.tokenizer, chat(r["turns"][0])) for r in _first_per_category(spec_bench_rows, 8)]
     assert len({len(p) for p in prompts}) > 4, "mixed prompt lengths"

@@ -13,7 +13,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves
 
-import tr_serve.engine.engine as engine_module
+import tr_serve.tr.verifier as verifier_module
 from tiny_model import tiny_loaded
 from tr_serve.engine.config import EngineConfig
 from tr_serve.engine.engine import Engine
@@ -93,7 +93,7 @@ def test_every_tensor_of_the_sampling_path_stays_on_the_device(tokenizer, tmp_pa
         audits["first"].append(audit)
         return token
 
-    real_walk = engine_module.walk_tree
+    real_walk = verifier_module.walk_tree
 
     def walk_tree(draft, logits, tree, temperature, top_k, top_p, generator):
         generators.append((generator.device, logits.device))
@@ -103,7 +103,7 @@ def test_every_tensor_of_the_sampling_path_stays_on_the_device(tokenizer, tmp_pa
         return nodes, emitted
 
     monkeypatch.setattr(engine, "_first_token", first_token)
-    monkeypatch.setattr(engine_module, "walk_tree", walk_tree)
+    monkeypatch.setattr(verifier_module, "walk_tree", walk_tree)
     for i in range(2):
         engine.add_request([5 + i, 77, 300, 12], SamplingParams(max_tokens=8, temperature=0.9, top_k=top_k,
                                                                 top_p=top_p, seed=11 + i))

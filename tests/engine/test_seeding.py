@@ -37,8 +37,8 @@ def test_seeding_follows_the_budget(tokenizer, tmp_path, monkeypatch, budget):
         # the LM head over the prompt is not run any more
         import tr_serve.tr.drafter as drafter_module
 
-        monkeypatch.setattr(drafter_module, "choose_plan", lambda *args, **kwargs: (0, 0))
-        for _ in range(3):
+        monkeypatch.setattr(drafter_module, "choose_plan", lambda *args, **kwargs: [(0, 0)] * len(args[1]))
+        for _ in range(8):  # 3 decode steps each: the moving average decays by 0.9 per step
             _seeded_prefills(engine, 1)
         assert engine.drafter.mean_nodes < 1.0
         assert _seeded_prefills(engine) == [False, False]

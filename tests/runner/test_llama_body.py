@@ -57,3 +57,27 @@ def test_body_only_for_plain_llama_in_eval(tokenizer):
     model.config._attn_implementation = "sdpa"
     assert llama_body.body_for(model) is not None
     assert llama_body.body_for(torch.nn.Linear(2, 2)) is None
+
+
+def test_packed_verify_matches_the_padded_forward_on_real_positions(tokenizer, monkeypatch):
+    """Rows of different real lengths: the body runs the linears over the real tokens only; their
+    logits equal transformers' padded forward bit for bit and padded positions are zero."""
+    from tests.tiny_model import tiny_loaded
+
+    model = tiny_loaded(tokenizer, seed=6, init_range=0.1).model
+    tokens = torch.tensor([[7, 9, 11, 13], [21, 22, -1, -1]])
+    depths = torch.tensor([[0, 1, 1, 2], [0, 1, 1, 1]])
+    trees = torch.tensor([[[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 1, 0, 1]],
+                          [[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 0, 0, 1]]], dtype=torch.bool)
+    lengths = torch.tensor([4, 2])
+    out = {}
+    for disable in (True, False):
+        body = (lambda model: None) if disable else llama_body.body_for
+        monkeypatch.setattr("tr_serve.runner.model_runner.body_for", body)
+        runner = ModelRunner(model, 3, 48)
+        rows = torch.tensor([2, 0])
+        runner.prefill(rows, [[5, 17, 99, 3, 250, 8, 41], [7, 7, 300]])
+        out[disable] = runner.verify(rows, tokens, depths, trees, lengths)
+    padded, packed = out[True], out[False]
+    assert torch.equal(packed[0], padded[0]) and torch.equal(packed[1, :2], padded[1, :2])
+    assert not packed[1, 2:].any()

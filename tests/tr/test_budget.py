@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
-from tr_serve.tr.budget import AcceptanceStats, LatencyTable, StepLatency, choose_budget, expected_rate
+from tr_serve.tr.budget import AcceptanceStats, LatencyTable, StepLatency, choose_plan
 from tr_serve.tr.tree import compile_tree
 
 
@@ -65,24 +66,42 @@ def test_latency_table_interpolates_and_extrapolates():
     assert t(0) == 1.0
 
 
+NO_BRANCH = ([], [])
+
+
 def test_budget_grows_when_forwards_are_flat_and_shrinks_when_linear():
-    rates = torch.tensor([0.6, 0.3, 0.2, 0.1])
+    rates = [0.6, 0.3, 0.2, 0.1]
     flat = StepLatency(LatencyTable((1, 64), (1.0, 1.1)))  # GPU-like: more tokens nearly free
     linear = StepLatency(LatencyTable((1, 64), (1.0, 64.0)))  # every token costs a full forward
-    assert choose_budget(rates, flat, 1, (0, 1, 2, 4)) == 4
-    assert choose_budget(rates, linear, 1, (0, 1, 2, 4)) == 0
-    assert choose_budget(rates, linear, 1, (0, 1, 2, 4), explore=True) == 1  # the runner-up
-    assert expected_rate(rates, flat, 2, 0) == 2 / flat(2, 0)
+    assert choose_plan(rates, [NO_BRANCH], flat, (0, 1, 2, 4), (0,)) == [(4, 0)]
+    assert choose_plan(rates, [NO_BRANCH], linear, (0, 1, 2, 4), (0,)) == [(0, 0)]
+    assert choose_plan(rates, [NO_BRANCH], linear, (0, 1, 2, 4), (0,), explore=True) == [(1, 0)]  # runner-up
 
 
-def test_measured_step_latency_overrides_the_calibrated_table():
-    rates = torch.tensor([0.6, 0.3, 0.2, 0.1])
+def test_measured_step_latency_corrects_the_calibrated_table():
+    rates = [0.6, 0.3, 0.2, 0.1]
     latency = StepLatency(LatencyTable((1, 64), (1.0, 1.1)), alpha=1.0)
-    assert choose_budget(rates, latency, 8, (0, 4)) == 4  # the one-row table says 40 tokens cost ~1 forward
-    latency.observe(8, 0, 1.0)
-    latency.observe(8, 4, 3.0)  # measured: a batch of 8 trees costs 3 plain steps, more than it brings
-    assert latency(8, 4) == 3.0
-    assert choose_budget(rates, latency, 8, (0, 4)) == 0
+    # the one-row table says 40 tokens cost about one forward: every row verifies 4 nodes
+    assert choose_plan(rates, [NO_BRANCH] * 8, latency, (0, 4), (0,)) == [(4, 0)] * 8
+    latency.observe(8, 8, 1.0)
+    latency.observe(8, 40, 3.0)  # measured: a batch of 8 trees costs 3 plain steps, more than it brings
+    assert latency(8, 40) == pytest.approx(3.0)
+    assert latency(8, 48) == pytest.approx(3.0 / LatencyTable((1, 64), (1.0, 1.1))(40) * latency.table(48))
+    assert latency(4, 8) == latency.table(8)  # another row count: the table until it is measured
+    assert choose_plan(rates, [NO_BRANCH] * 8, latency, (0, 4), (0,)) == [(0, 0)] * 8
+
+
+def test_only_rows_with_a_promising_branch_draft_beside_plain_rows():
+    # a weak template and two rows with a confident 6-token branch among six plain rows: on a CPU-like
+    # table where each query token costs 2% of a forward, the branch rows verify their branches and
+    # the others run one-token steps in the same forward (packed, so they pay nothing for it)
+    template = [0.05, 0.02, 0.01, 0.01]
+    confident = ([1 << 30] * 6, [0.9 ** (j + 1) for j in range(6)])
+    cpu = StepLatency(LatencyTable((1, 64), (0.03, 0.03 + 63 * 0.0006)))
+    plan = choose_plan(template, [confident, NO_BRANCH, NO_BRANCH, confident, NO_BRANCH, NO_BRANCH, NO_BRANCH,
+                                  NO_BRANCH], cpu, (0, 1, 2, 4), (0, 2, 4, 6))
+    assert plan[0] == plan[3] == (0, 6)
+    assert all(p == (0, 0) for i, p in enumerate(plan) if i not in (0, 3))
 
 
 def test_context_stats_are_conditional_and_bucketed_by_match_length():
@@ -100,23 +119,19 @@ def test_context_stats_are_conditional_and_bucketed_by_match_length():
 
 
 def test_plan_buys_a_confident_branch_only_when_the_forward_is_cheap_enough():
-    from tr_serve.tr.budget import choose_plan
-
     template = [0.5, 0.2, 0.1, 0.05]
     confident = ([1 << 30] * 6, [0.9 ** (j + 1) for j in range(6)])  # nothing merges; p_j = 0.9^(j+1)
     flat = StepLatency(LatencyTable((1, 64), (0.03, 0.031)))
     steep = StepLatency(LatencyTable((1, 2, 64), (0.03, 0.06, 2.0)))
-    assert choose_plan(template, [confident], flat, (0, 1, 2, 4), (0, 2, 4, 6)) == (4, 6)
-    assert choose_plan(template, [confident], steep, (0, 1, 2, 4), (0, 2, 4, 6)) == (0, 0)
+    assert choose_plan(template, [confident], flat, (0, 1, 2, 4), (0, 2, 4, 6)) == [(4, 6)]
+    assert choose_plan(template, [confident], steep, (0, 1, 2, 4), (0, 2, 4, 6)) == [(0, 0)]
 
 
 def test_plan_counts_merged_branch_tokens_as_free():
-    from tr_serve.tr.budget import choose_plan
-
     # the branch's first two tokens are template nodes at order positions 0 and 1: with n >= 2 they
     # cost nothing, and the third token hangs below them as one extra node
     template = [0.6, 0.5, 0.01, 0.01]
     branch = ([0, 1, 1 << 30], [0.9, 0.85, 0.8])
     latency = StepLatency(LatencyTable((1, 2, 3, 4, 5), (0.030, 0.036, 0.042, 0.048, 0.054)))
-    n, cap = choose_plan(template, [branch], latency, (0, 1, 2, 4), (0, 1))
+    [(n, cap)] = choose_plan(template, [branch], latency, (0, 1, 2, 4), (0, 1))
     assert (n, cap) == (2, 1)  # 3 nodes verified: 1 + 0.6 + 0.5 + 0.8 expected tokens for 0.042 s

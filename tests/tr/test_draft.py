@@ -45,6 +45,26 @@ def test_branch_reuses_template_nodes_then_grows_one_chain():
                 assert seen == ancestors_or_self(parents, i)
 
 
+def test_rows_verify_their_own_template_prefix_and_report_real_lengths():
+    # row 0 verifies nodes 1..3 and merges its branch (a, c) into them, then 40 hangs below c;
+    # row 1 verifies nothing of the template: a plain one-token step unless its branch (b) exists
+    batch = build_draft(DRAFT, SMALL, NODES, chains=[[2, 4, 40], [3]], match_lengths=[3, 2], row_nodes=[3, 0])
+    assert batch.row_nodes == (3, 0)
+    assert batch.tokens.tolist() == [[1, 2, 3, 4, 40], [1, 3, EMPTY, EMPTY, EMPTY]]
+    assert batch.parents.tolist() == [[-1, 0, 0, 1, 3], [-1, 0, 0, 0, 0]]
+    assert batch.depths.tolist() == [[0, 1, 1, 2, 3], [0, 1, 1, 1, 1]]
+    assert batch.lengths.tolist() == [5, 2] and batch.num_inputs == 7 and batch.nodes_per_row() == [4, 1]
+    assert batch.chain_columns == ((1, 3, 4), (1,))
+    assert batch.children(1) == [[1], [], [], [], []]  # padding is nobody's child
+    for r in range(2):
+        parents = batch.parents[r].tolist()
+        for i in range(5):
+            seen = set(batch.mask[r, i].nonzero().flatten().tolist())
+            assert seen == ({0, i} if batch.tokens[r, i] == EMPTY else ancestors_or_self(parents, i))
+    plain = build_draft(DRAFT[:, :1], compile_tree([]), torch.zeros(0, dtype=torch.long))
+    assert plain.lengths is None and plain.num_inputs == 2  # nothing padded: no packing needed
+
+
 def test_a_branch_deeper_than_the_template_is_accepted_whole():
     batch = build_draft(DRAFT, SMALL, NODES, chains=[[2, 4, 40, 41], [3, 50]], match_lengths=[3, 2])
     # row 0: the model says a, c, 40, 41, then 99; row 1: b, then 7 (not 50)

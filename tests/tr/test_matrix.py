@@ -116,3 +116,16 @@ def test_clear():
     assert m.num_filled_rows() == 0
     assert bool((m.table == EMPTY).all())
     assert m.take_dirty_rows().tolist() == []
+
+
+def test_a_preferred_occurrence_wins_over_later_ones():
+    m = AdjacencyMatrix(vocab_size=10, k=2)
+    tokens = torch.tensor([3, 3, 3])
+    logits = torch.zeros(3, 10)
+    logits[0, [1, 2]] = torch.tensor([5.0, 4.0])
+    logits[1, [5, 6]] = torch.tensor([5.0, 4.0])  # on the accepted path
+    logits[2, [7, 8]] = torch.tensor([5.0, 4.0])
+    m.recycle(tokens, logits, preferred=torch.tensor([False, True, False]))
+    assert m.table[3].tolist() == [5, 6]
+    m.recycle(tokens, logits)
+    assert m.table[3].tolist() == [7, 8]  # no preference: the last occurrence

@@ -27,10 +27,10 @@ from tr_serve.tr.budget import StepLatency
 from tr_serve.tr.draft import DraftBatch
 from tr_serve.tr.drafter import Drafter
 from tr_serve.tr.matrix import AdjacencyMatrix
-from tr_serve.tr.sampling import process_logits, sample_token, walk_tree
+from tr_serve.tr.sampling import process_logits, sample_token
 from tr_serve.tr.tree import compile_tree, load_template
 from tr_serve.tr.tree_spec import parse_tree_spec
-from tr_serve.tr.verifier import accept_draft
+from tr_serve.tr.verifier import RowSampling, verify_batch
 
 _ids = itertools.count()
 
@@ -232,25 +232,25 @@ class Engine:
             draft = self._draft(batch)
         t0 = time.perf_counter()
         with self.timer.phase("forward"):
-            logits = self.runner.verify(rows, draft.tokens, draft.depths, draft.mask)
+            logits = self.runner.verify(rows, draft.tokens, draft.depths, draft.mask, draft.lengths)
         with self.timer.phase("accept"):
-            acceptance = accept_draft(draft, logits.argmax(dim=-1))  # reads logits: the forward has finished
+            sampling = [None if r.params.greedy else RowSampling(r.params.temperature, r.params.top_k,
+                                                                 r.params.top_p, r.generator) for r in batch]
+            acceptance = verify_batch(draft, logits, sampling)
             seconds = time.perf_counter() - t0 if self.config.online_latency else None
             accepted, emitted = acceptance.accepted_nodes, acceptance.emitted
-            for i, req in enumerate(batch):
-                p = req.params
-                if not p.greedy:
-                    accepted[i], emitted[i] = walk_tree(draft.tokens[i], logits[i], draft.children(i), p.temperature,
-                                                        p.top_k, p.top_p, req.generator)
             if self.drafter is not None:
                 self.drafter.observe(draft, acceptance, seconds)
         with self.timer.phase("compact"):
             self.runner.compact(rows, accepted)
         if self.spec.uses_matrix:
             with self.timer.phase("recycle"):
-                self.matrix.recycle(draft.tokens, logits)
+                on_path = torch.zeros(draft.tokens.shape, dtype=torch.bool)  # the nodes each row kept
+                for i, nodes in enumerate(accepted):
+                    on_path[i, nodes] = True
+                self.matrix.recycle(draft.tokens, logits, preferred=on_path)
         with self.timer.phase("postprocess"):
-            for req, out in zip(batch, emitted):
+            for req, out, nodes in zip(batch, emitted, draft.nodes_per_row()):
                 kept = 0  # tokens of this step that made it into the output (a stop cuts the rest)
                 for token in out.tolist():
                     kept += 1
@@ -258,7 +258,7 @@ class Engine:
                         break
                 req.stats.accepted_per_step.append(kept)
                 req.stats.dropped_at_stop = len(out) - kept
-                req.stats.tree_nodes_per_step.append(draft.num_nodes)
+                req.stats.tree_nodes_per_step.append(nodes)
 
     def _context_full(self, req: Request) -> bool:
         # called before the token is appended: True when that token is the last one that fits

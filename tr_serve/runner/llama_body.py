@@ -56,23 +56,50 @@ def _build(model) -> Callable | None:
     if rotary is None:
         return None
 
-    def body(input_ids: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor, cache) -> torch.Tensor:
+    def body(input_ids: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor, cache,
+             real: torch.Tensor | None = None) -> torch.Tensor:
+        """real: indices of the real tokens in the flattened [b * s] batch (None: all). The linear
+        layers run over those only (rows packed); attention and the cache take the padded
+        [b, heads, s, d] layout, zeros at padded positions."""
         h = inner.embed_tokens(input_ids)
         cos, sin = inner.rotary_emb(h, position_ids)
         b, s = input_ids.shape
+        if real is not None:  # pack: [1, t, ...]
+            h = h.reshape(b * s, -1)[real][None]
+            cos = cos.expand(b, s, -1).reshape(b * s, -1)[real][None]
+            sin = sin.expand(b, s, -1).reshape(b * s, -1)[real][None]
+        t = h.shape[1]
         for i, layer in enumerate(layers):
             attn = layer.self_attn
             x = layer.input_layernorm(h)
-            shape = (b, s, -1, attn.head_dim)
+            shape = (h.shape[0], t, -1, attn.head_dim)
             q = attn.q_proj(x).view(shape).transpose(1, 2)
             k = attn.k_proj(x).view(shape).transpose(1, 2)
             v = attn.v_proj(x).view(shape).transpose(1, 2)
             q, k = rotary(q, k, cos, sin)
+            if real is not None:
+                q, k, v = (_unpack(y, real, b, s) for y in (q, k, v))
             k, v = cache.layers[i].update(k, v, i)
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=attn.scaling,
                                                enable_gqa=q.shape[1] != k.shape[1])
-            h = h + attn.o_proj(o.transpose(1, 2).reshape(b, s, -1))
+            o = o.transpose(1, 2).reshape(b, s, -1)
+            if real is not None:
+                o = o.reshape(b * s, -1)[real][None]
+            h = h + attn.o_proj(o)
             h = h + layer.mlp(layer.post_attention_layernorm(h))
-        return inner.norm(h)
+        h = inner.norm(h)
+        if real is None:
+            return h
+        out = h.new_zeros(b * s, h.shape[-1])
+        out[real] = h[0]
+        return out.view(b, s, -1)
 
     return body
+
+
+def _unpack(y: torch.Tensor, real: torch.Tensor, b: int, s: int) -> torch.Tensor:
+    """[1, heads, t, d] packed -> [b, heads, s, d], zeros at the padded positions."""
+    heads, d = y.shape[1], y.shape[3]
+    out = y.new_zeros(b * s, heads, d)
+    out[real] = y[0].transpose(0, 1)
+    return out.view(b, s, heads, d).transpose(1, 2)

@@ -73,8 +73,14 @@ class ModelRunner:
         self.cache.set_length(row, 0)
 
     @torch.inference_mode()
-    def forward(self, rows: torch.Tensor, tokens: torch.Tensor, depths: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
-        """Hidden states [b, q, hidden] for ``tokens`` [b, q] at positions lens[row] + depths [b or 1, q]."""
+    def forward(self, rows: torch.Tensor, tokens: torch.Tensor, depths: torch.Tensor, local: torch.Tensor,
+                lengths: torch.Tensor | None = None) -> torch.Tensor:
+        """Hidden states [b, q, hidden] for ``tokens`` [b, q] at positions lens[row] + depths [b or 1, q].
+
+        lengths [b]: real tokens per row, padding after them. Where the model's body runs here
+        (plain Llama on CPU), the linear layers and the LM head see only the real tokens (rows
+        packed), attention and the cache write the padded layout; padded positions come back as
+        zeros. Elsewhere every position is computed."""
         q = tokens.shape[1]
         starts = self.cache.begin_step(rows, q)
         mask = build_step_mask(starts, local, self.cache.step_kv_len, self.dtype).to(self.device)
@@ -82,7 +88,11 @@ class ModelRunner:
         body = body_for(self.model)  # plain Llama: its layers without transformers' wrappers, same arithmetic
         with self._kernels(), runner_attention(self.model):
             if body is not None:
-                return body(tokens.to(self.device), positions, mask, self.cache)
+                real = None
+                if lengths is not None and bool((lengths < q).any()):
+                    real = (torch.arange(q)[None, :] < lengths[:, None]).flatten().nonzero().flatten()
+                    real = real.to(self.device)
+                return body(tokens.to(self.device), positions, mask, self.cache, real)
             out = self.model.model(
                 input_ids=tokens.to(self.device), attention_mask=mask, position_ids=positions,
                 cache=self.cache, use_cache=True,
@@ -113,7 +123,7 @@ class ModelRunner:
         valid = torch.arange(q)[None, :] < lengths[:, None]  # [b, q]
         local = causal[None] & valid[:, None, :]
         local = local | torch.eye(q, dtype=torch.bool)[None]  # pad queries see themselves: no empty rows
-        hidden = self.forward(rows, tokens, torch.arange(q)[None], local)
+        hidden = self.forward(rows, tokens, torch.arange(q)[None], local, lengths)
         last = hidden[torch.arange(b), (lengths - 1).to(self.device)]  # [b, hidden]
         last_logits = self.logits(last)
         every = None
@@ -124,19 +134,31 @@ class ModelRunner:
         return last_logits, every
 
     @torch.inference_mode()
-    def verify(self, rows: torch.Tensor, tokens: torch.Tensor, depths: torch.Tensor, tree_mask: torch.Tensor) -> torch.Tensor:
+    def verify(self, rows: torch.Tensor, tokens: torch.Tensor, depths: torch.Tensor, tree_mask: torch.Tensor,
+               lengths: torch.Tensor | None = None) -> torch.Tensor:
         """Logits [b, q, V] of the root plus every tree node; the cache lengths stay unchanged until
         :meth:`compact` keeps the accepted entries.
 
         tokens [b, q]; depths [q] (one tree for every row) or [b, q] (a tree per row); tree_mask
-        [q, q] or [b, q, q], True where a node sees another (its ancestors and itself)."""
+        [q, q] or [b, q, q], True where a node sees another (its ancestors and itself); lengths
+        [b]: real nodes per row (root included), padding after them costs no linear-layer or LM-head
+        compute (zero logits) where :meth:`forward` packs."""
         safe = tokens.clamp(min=0)  # EMPTY nodes run as token 0; they can never be accepted
         if depths.dim() == 1:
             depths = depths[None]
         if tree_mask.dim() == 2:
             tree_mask = tree_mask[None]
-        hidden = self.forward(rows, safe, depths, tree_mask)
-        return self.logits(hidden)
+        hidden = self.forward(rows, safe, depths, tree_mask, lengths)
+        if lengths is None or not bool((lengths < tokens.shape[1]).any()):
+            return self.logits(hidden)
+        # the LM head over the real positions only; padding gets zero logits (never accepted)
+        b, q = tokens.shape
+        real = (torch.arange(q)[None, :] < lengths[:, None]).flatten().to(self.device)
+        flat = hidden.reshape(b * q, -1)
+        out = torch.empty(b * q, self.vocab_size, dtype=torch.float32, device=self.device)
+        out[real] = self.logits(flat[real])
+        out[~real] = 0.0
+        return out.view(b, q, -1)
 
     def compact(self, rows: torch.Tensor, keep: list[torch.Tensor]) -> None:
         self.cache.compact(rows, keep)

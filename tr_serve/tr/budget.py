@@ -1,10 +1,11 @@
 """Cost-aware tree budget: how many template nodes to verify this step so that expected generated
-tokens per second is highest on this device, for this batch.
+tokens per second is highest on this device, for this batch, decided per row.
 
 Greedy or sampled, the tokens a step accepts form one chain of the tree, so the expected number of
 accepted drafts of a template prefix is the sum of its nodes' path-acceptance rates ``p_i``. The
-step emits that plus one bonus token per row and costs one forward over ``rows * (1 + n)`` query
-tokens, whose latency comes from a table measured on the device at start-up.
+step emits that plus one bonus token per row and costs one forward over the rows' query tokens
+(packed: a row pays for its own nodes only), whose latency comes from a table measured on the
+device at start-up, corrected by what serving measures.
 """
 
 from __future__ import annotations
@@ -64,8 +65,8 @@ class AcceptanceStats:
     def update(self, draft: torch.Tensor, choice: torch.Tensor, verified: torch.Tensor | None = None) -> None:
         """draft [b, N+1] drafted tokens of the full template; choice [b, v] the model's token after
         each of the first ``v`` inputs (the root and a verified prefix of the template), or, with
-        ``verified`` [N+1] bool, choice [b, N+1] holding the model's token after every verified node
-        (the root always is)."""
+        ``verified`` [N+1] or per row [b, N+1] bool, choice [b, N+1] holding the model's token after
+        every verified node (the root always is)."""
         tree = self.tree
         n = tree.num_nodes
         b = draft.shape[0]
@@ -75,13 +76,15 @@ class AcceptanceStats:
             verified = torch.arange(n + 1) < v
             choice = torch.cat([choice, choice.new_zeros(b, n + 1 - v)], dim=1)
         verified = verified.cpu()
+        if verified.dim() == 1:
+            verified = verified[None].expand(b, n + 1)
         ok = torch.zeros(b, n + 1, dtype=torch.bool)  # the node's whole path was accepted
         observed = torch.zeros(b, n + 1, dtype=torch.bool)  # the node was compared with the model's choice
         ok[:, 0] = True
         for lo, hi in tree.level_slices:
             idx = tree.level_order[lo:hi]  # [m]
             par = self._parents[idx]
-            known = verified[par]
+            known = verified[:, par]  # [b, m]
             if not bool(known.any()):
                 break  # no parent on this level was verified, so none deeper was either
             seen = ok[:, par] & known  # parent accepted and the model's token after it is known
@@ -100,7 +103,7 @@ class ContextStats:
     counts of "the j-th retrieved token was the model's choice, given the ones before it were"
     (conditional, observed only when its parent's path was accepted, as for the template)."""
 
-    BUCKETS = (2, 3, 4, 6)  # match lengths 2, 3, 4-5, 6+ (a match of 1 token is the matrix's job)
+    BUCKETS = (1, 2, 3, 4, 6)  # match lengths 1, 2, 3, 4-5, 6+
 
     def __init__(self, max_tokens: int, decay: float = 0.995, prior: float = 0.5, prior_weight: float = 2.0):
         self.max_tokens = max_tokens
@@ -167,37 +170,39 @@ class LatencyTable:
 
 
 class StepLatency:
-    """Step latency by (rows, nodes): the calibrated table until a shape has been run, then the
-    measured time of that shape (moving average). The start-up table is measured on one row; a
-    batch of rows costs more than its token count says (one KV row per sequence in attention,
-    other kernel shapes), so the engine corrects it with what it observes while serving."""
+    """Step latency by (rows, query tokens in the step).
+
+    The start-up table is measured on one row. A batch of rows costs more than its token count
+    says (one KV row per sequence in attention, the mask, other kernel shapes), so while serving
+    the engine observes each step and keeps, per row count and per power-of-two bucket of query
+    tokens, the moving average of measured / table; a bucket not seen yet takes the nearest seen
+    bucket's ratio of the same row count, or the table alone."""
 
     def __init__(self, table: LatencyTable, alpha: float = 0.2):
         self.table = table
         self.alpha = alpha
-        self.seen: dict[tuple[int, int], float] = {}
+        self.ratios: dict[int, dict[int, float]] = {}  # rows -> token bucket -> measured / table
 
-    def observe(self, rows: int, n: int, seconds: float) -> None:
-        old = self.seen.get((rows, n))
-        self.seen[(rows, n)] = seconds if old is None else old + self.alpha * (seconds - old)
+    @staticmethod
+    def bucket(tokens: int) -> int:
+        return max(1, tokens).bit_length()
 
-    def __call__(self, rows: int, n: int) -> float:
-        seen = self.seen.get((rows, n))
-        return seen if seen is not None else self.table(rows * (1 + n))
+    def observe(self, rows: int, tokens: int, seconds: float) -> None:
+        ratio = seconds / max(self.table(tokens), 1e-9)
+        seen = self.ratios.setdefault(rows, {})
+        k = self.bucket(tokens)
+        old = seen.get(k)
+        seen[k] = ratio if old is None else old + self.alpha * (ratio - old)
 
-
-def expected_rate(rates: torch.Tensor, latency: StepLatency, rows: int, n: int) -> float:
-    """Expected generated tokens per second when every row verifies the first ``n`` nodes."""
-    accepted = float(rates[:n].sum()) if n else 0.0
-    return rows * (1.0 + accepted) / latency(rows, n)
-
-
-def choose_budget(rates: torch.Tensor, latency: StepLatency, rows: int, candidates: tuple[int, ...],
-                  explore: bool = False) -> int:
-    """The candidate prefix size with the highest expected tokens per second (0 = plain decoding).
-    With ``explore``, the runner-up instead, so the latency of the alternatives stays measured."""
-    ranked = sorted(candidates, key=lambda n: (expected_rate(rates, latency, rows, n), -n), reverse=True)
-    return ranked[1] if explore and len(ranked) > 1 else ranked[0]
+    def __call__(self, rows: int, tokens: int) -> float:
+        seen = self.ratios.get(rows)
+        if not seen:
+            return self.table(tokens)
+        k = self.bucket(tokens)
+        ratio = seen.get(k)
+        if ratio is None:
+            ratio = seen[min(seen, key=lambda j: (abs(j - k), j))]
+        return self.table(tokens) * ratio
 
 
 def _cumulative(values) -> list[float]:
@@ -207,36 +212,73 @@ def _cumulative(values) -> list[float]:
     return out
 
 
-def choose_plan(template_rates: list[float], chains: list[tuple[list[int], list[float]]], latency: StepLatency,
-                node_candidates: tuple[int, ...], chain_caps: tuple[int, ...], explore: bool = False) -> tuple[int, int]:
-    """The (template nodes n, context-branch cap L) with the highest expected tokens per second.
+def _frontier(options: list[tuple[float, int, int, int]]) -> list[tuple[float, int, int, int]]:
+    """The options (gain, cost, n, cap) that no cheaper-or-equal option beats: by cost, strictly
+    rising gain."""
+    out: list[tuple[float, int, int, int]] = []
+    for gain, cost, n, cap in sorted(options, key=lambda o: (o[1], -o[0])):
+        if not out or gain > out[-1][0] + 1e-12:
+            out.append((gain, cost, n, cap))
+    return out
 
-    template_rates: path rates of the template nodes in the order they are added (so the first n
-    are verified). chains[r]: (for each retrieved token of row r, the position in that order of
-    the template node it merges into, or a large number; the token's path rate). The first tokens
-    that merge into verified template nodes cost nothing; the rest, at most L of them, are extra
-    nodes of that row. The step costs one forward over rows x (1 + n + the longest row's extra
-    nodes): padding included, so a long branch in one row is paid for by every row.
-    With ``explore``, the runner-up instead (its latency keeps being measured)."""
-    rows = max(1, len(chains))
+
+# Prices (expected accepted tokens one more query token must bring) tried by the plan search.
+_PRICES = (0.0, 0.002, 0.005, 0.01, 0.02, 0.035, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.45, 0.7, 1.0, float("inf"))
+
+
+def choose_plan(template_rates: list[float], chains: list[tuple[list[int], list[float]]], latency: StepLatency,
+                node_candidates: tuple[int, ...], chain_caps: tuple[int, ...],
+                explore: bool = False) -> list[tuple[int, int]]:
+    """Per row, (template nodes n, context-branch cap L), for the most expected tokens per second.
+
+    template_rates: path rates of the template nodes in the order they are added (a row verifies
+    the first n). chains[r]: (for each retrieved token of row r, the position in that order of the
+    template node it merges into, or a large number; the token's path rate); empty lists for a row
+    without a branch. The first tokens that merge into the row's verified template nodes cost
+    nothing; the rest, at most L of them, are extra nodes of that row.
+
+    The step costs one forward over the sum of the rows' tokens (the runner packs rows, so a long
+    branch in one row is not paid for by the others). Each row's options reduce to a frontier of
+    (expected accepted tokens, nodes); a price per query token picks one option per row, and the
+    price whose plan has the best expected tokens per second wins. With ``explore``, the runner-up
+    plan instead, so the latency of other shapes keeps being measured."""
+    rows = len(chains)
+    if rows == 0:
+        return []
     cum_t = _cumulative(template_rates)
-    branches = [(merge_pos, _cumulative(rates)) for merge_pos, rates in chains if rates]  # rows with a branch
-    scored = []
-    for n in node_candidates:
-        base = rows * (1.0 + cum_t[n])
-        merged = []  # per branch: (tokens merged into the first n template nodes, cumulative rates)
-        for merge_pos, cum in branches:
+    plain_frontier = _frontier([(cum_t[n], n, n, 0) for n in node_candidates])
+    frontiers: list[list[tuple[float, int, int, int]]] = []
+    for merge_pos, rates in chains:
+        if not rates:
+            frontiers.append(plain_frontier)
+            continue
+        cum = _cumulative(rates)
+        options = []
+        for n in node_candidates:
             m = 0
             while m < len(merge_pos) and merge_pos[m] < n:
                 m += 1
-            merged.append((m, cum))
-        longest = max((len(cum) - 1 - m for m, cum in merged), default=0)
-        for cap in chain_caps:
-            extra = min(cap, longest)
-            gain = sum(cum[m + min(cap, len(cum) - 1 - m)] - cum[m] for m, cum in merged) if cap else 0.0
-            scored.append(((base + gain) / latency(rows, n + extra), -(n + extra), n, cap))
-            if cap >= longest:
-                break  # larger caps are the same plan
-    scored.sort(reverse=True)
-    pick = scored[1] if explore and len(scored) > 1 else scored[0]
-    return pick[2], pick[3]
+            longest = len(rates) - m
+            for cap in chain_caps:
+                extra = min(cap, longest)
+                options.append((cum_t[n] + cum[m + extra] - cum[m], n + extra, n, cap))
+                if cap >= longest:
+                    break  # larger caps are the same plan
+        frontiers.append(_frontier(options))
+    plans: dict[tuple[tuple[int, int], ...], float] = {}
+    for price in _PRICES:
+        gain, cost, plan = 0.0, 0, []
+        for frontier in frontiers:
+            if price == float("inf"):
+                best = frontier[0]
+            else:
+                best = max(frontier, key=lambda o: (o[0] - price * o[1], -o[1]))
+            gain += best[0]
+            cost += best[1]
+            plan.append((best[2], best[3]))
+        key = tuple(plan)
+        if key not in plans:
+            plans[key] = (rows + gain) / latency(rows, rows + cost)
+    ranked = sorted(plans.items(), key=lambda kv: (kv[1], -sum(n + c for n, c in kv[0])), reverse=True)
+    pick = ranked[1] if explore and len(ranked) > 1 else ranked[0]
+    return list(pick[0])

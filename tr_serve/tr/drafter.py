@@ -1,9 +1,11 @@
 """Each step's draft: matrix nodes from a template, a context branch per row, under a budget.
 
 * fixed budget: every row verifies the whole template, plus its context branch (``+ctx``)
-* ``auto``: the nodes with the best estimated path-acceptance rates (an acceptance-driven shape,
-  re-ranked as the estimates move) and a cap on each row's context branch, chosen together to
-  maximise expected tokens per second under the measured step latency (tr/budget.py)
+* ``auto``: per row, how many of the nodes with the best estimated path-acceptance rates to verify
+  (an acceptance-driven shape, re-ranked as the estimates move) and a cap on its context branch,
+  chosen together to maximise expected tokens per second under the measured step latency
+  (tr/budget.py); a row with nothing promising runs a plain one-token step beside rows that
+  verify trees
 * ``pld``: the context branch alone (prompt lookup decoding through the same runner)
 """
 
@@ -30,13 +32,15 @@ class ContextSettings:
     min_ngram: int
     max_ngram: int
     max_tokens: int
+    tokens_per_match: int  # a match of n tokens drafts at most n * this (short matches: short branches)
 
 
-# Hybrid: a 1-token match is what the matrix already predicts, so the branch needs 2+; long
-# matches earn long branches (the cost-aware budget cuts them by measured acceptance).
-HYBRID_CONTEXT = ContextSettings(min_ngram=2, max_ngram=8, max_tokens=16)
+# Hybrid: even a 1-token match is evidence the matrix lacks (what followed that token in this very
+# text, not in whatever text the matrix last saw it in), worth a short branch; long matches earn
+# long branches (the cost-aware budget cuts them by measured acceptance).
+HYBRID_CONTEXT = ContextSettings(min_ngram=1, max_ngram=8, max_tokens=16, tokens_per_match=4)
 # Prompt lookup as vLLM's n-gram proposer is set up in its CPU examples: n-grams of 2-4, 4 drafts.
-PLD_CONTEXT = ContextSettings(min_ngram=2, max_ngram=4, max_tokens=4)
+PLD_CONTEXT = ContextSettings(min_ngram=2, max_ngram=4, max_tokens=4, tokens_per_match=4)
 
 NODE_CANDIDATES = (0, 1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 80)
 CHAIN_CAPS = (0, 1, 2, 4, 8, 16)
@@ -97,16 +101,18 @@ class Drafter:
             for r, ctx in enumerate(contexts):
                 cap = self.context.max_tokens if room is None else min(self.context.max_tokens, room[r] - 1)
                 matches[r], chains[r] = ctx.lookup(cap)
+                chains[r] = chains[r][: matches[r] * self.context.tokens_per_match]
         n = self.template.num_nodes if self.template is not None else 0
         cap = self.context.max_tokens if self.context is not None else 0
-        if self.spec.auto_budget:
-            n, cap = self._plan(full, chains, matches)
-        tree, nodes = self._subtree(n)
+        plans = self._plan(full, chains, matches) if self.spec.auto_budget else [(n, cap)] * b
+        row_nodes = [p[0] for p in plans]
+        tree, nodes = self._subtree(max(row_nodes))
         template_tokens = full[:, torch.cat([torch.zeros(1, dtype=torch.long), nodes])]
-        chains = self._cut(chains, template_tokens, tree, cap)
-        return replace(build_draft(template_tokens, tree, nodes, chains, matches), template_draft=full)
+        chains = self._cut(chains, template_tokens, tree, plans)
+        return replace(build_draft(template_tokens, tree, nodes, chains, matches, row_nodes), template_draft=full)
 
-    def _plan(self, full: torch.Tensor, chains: list[list[int]], matches: list[int]) -> tuple[int, int]:
+    def _plan(self, full: torch.Tensor, chains: list[list[int]], matches: list[int]) -> list[tuple[int, int]]:
+        """Per row, (template nodes, branch cap): the cost-aware budget (tr/budget.py)."""
         self._steps += 1
         rates = self.acceptance.rate_list()  # path rate of full-template node i at [i-1]
         if self._steps % REORDER_EVERY == 0:
@@ -114,7 +120,7 @@ class Drafter:
         position = {node: i for i, node in enumerate(self.order)}
         order_rates = [rates[node - 1] for node in self.order]
         chain_info = []
-        full_rows = full.tolist()
+        full_rows = full.tolist() if any(chains) else None
         for r, chain in enumerate(chains):
             merge_pos, node = [], 0
             for tok in chain:
@@ -124,14 +130,15 @@ class Drafter:
                 merge_pos.append(position[nxt])
                 node = nxt
             merge_pos += [_NOT_VERIFIED] * (len(chain) - len(merge_pos))
-            rates_r = self.context_stats.path_rates(matches[r])[: len(chain)] if self.context_stats else []
+            rates_r = self.context_stats.path_rates(matches[r])[: len(chain)] if self.context_stats and chain else []
             chain_info.append((merge_pos, rates_r))
         caps = CHAIN_CAPS if self.context_stats is not None else (0,)
         explore = self._steps % EXPLORE_EVERY == 0
-        n, cap = choose_plan(order_rates, chain_info, self.latency, self.node_candidates, caps, explore)
+        plans = choose_plan(order_rates, chain_info, self.latency, self.node_candidates, caps, explore)
         if not explore:
-            self.mean_nodes += 0.1 * (n - self.mean_nodes)
-        return n, cap
+            mean = sum(n for n, _ in plans) / max(1, len(plans))
+            self.mean_nodes += 0.1 * (mean - self.mean_nodes)
+        return plans
 
     def _reorder(self, rates: list[float]) -> None:
         paths = self.template.template
@@ -155,17 +162,19 @@ class Drafter:
         return self._subtrees[n]
 
     @staticmethod
-    def _cut(chains: list[list[int]], template_tokens: torch.Tensor, tree: CompiledTree, cap: int) -> list[list[int]]:
-        """Each branch keeps what merges into the verified template nodes plus at most ``cap``
-        tokens more."""
+    def _cut(chains: list[list[int]], template_tokens: torch.Tensor, tree: CompiledTree,
+             plans: list[tuple[int, int]]) -> list[list[int]]:
+        """Row r's branch keeps what merges into its verified template nodes (the first
+        ``plans[r][0]``) plus at most ``plans[r][1]`` tokens more."""
         if not any(chains):
             return chains
         rows = template_tokens.tolist()
         out = []
         for r, chain in enumerate(chains):
+            limit, cap = plans[r]
             node, m = 0, 0
             for tok in chain:
-                nxt = next((c for c in tree.children[node] if rows[r][c] == tok), None)
+                nxt = next((c for c in tree.children[node] if c <= limit and rows[r][c] == tok), None)
                 if nxt is None:
                     break
                 node, m = nxt, m + 1
@@ -178,14 +187,14 @@ class Drafter:
         a proxy) and the measured latency of this step's shape."""
         rows = batch.tokens.shape[0]
         if self.latency is not None and seconds is not None:
-            self.latency.observe(rows, batch.num_nodes, seconds)
+            self.latency.observe(rows, batch.num_inputs, seconds)
         if self.acceptance is not None:
             n_full = self.template.num_nodes
             cols = torch.cat([torch.zeros(1, dtype=torch.long), batch.template_nodes])
             choice = torch.zeros(rows, n_full + 1, dtype=torch.long)
             choice[:, cols] = acceptance.choices[:, : len(cols)]
-            verified = torch.zeros(n_full + 1, dtype=torch.bool)
-            verified[cols] = True
+            verified = torch.zeros(rows, n_full + 1, dtype=torch.bool)
+            verified[:, cols] = torch.arange(len(cols))[None, :] <= torch.tensor(batch.row_nodes)[:, None]
             self.acceptance.update(batch.template_draft, choice, verified)
         if self.context_stats is not None and any(batch.chain_columns):
             ok = acceptance.accepted_mask.tolist()

@@ -19,29 +19,30 @@ class AdjacencyMatrix:
         self.table = torch.full((vocab_size, k), EMPTY, dtype=torch.int32, device=device)
         self._dirty = torch.zeros(vocab_size, dtype=torch.bool, device=device)
 
-    def recycle(self, tokens: torch.Tensor, logits: torch.Tensor) -> None:
+    def recycle(self, tokens: torch.Tensor, logits: torch.Tensor, preferred: torch.Tensor | None = None) -> None:
         """Overwrite the rows of ``tokens`` [n] with the top-k of their next-token ``logits`` [n, V].
 
         Tokens that are :data:`EMPTY` (tree nodes that drafted nothing) are skipped. When a token
-        occurs at several nodes, its last occurrence wins: duplicates are dropped before the write,
-        because an indexed write with repeated indices has no defined winner on GPUs.
+        occurs at several nodes, a ``preferred`` one (bool [n]: a node on an accepted path, whose
+        logits follow the real text) wins over the others, then the last occurrence: duplicates
+        are dropped before the write, because an indexed write with repeated indices has no
+        defined winner on GPUs.
         """
-        tokens = tokens.reshape(-1)
+        tokens = tokens.reshape(-1).to(self.table.device)
         logits = logits.reshape(tokens.numel(), -1)
-        valid = tokens >= 0
-        if not bool(valid.all()):
-            tokens, logits = tokens[valid], logits[valid]
-        if tokens.numel() == 0:
+        index = (tokens >= 0).nonzero().flatten()  # the nodes that drafted a token
+        if index.numel() == 0:
             return
-        tokens = tokens.to(self.table.device)
-        logits = logits.to(self.table.device)
+        tokens = tokens[index]
         position = torch.arange(tokens.numel(), device=tokens.device)
+        if preferred is not None:
+            position = position + preferred.reshape(-1).to(tokens.device)[index].long() * tokens.numel()
         last = torch.full((self.vocab_size,), -1, dtype=torch.long, device=tokens.device)
         last.scatter_reduce_(0, tokens, position, reduce="amax")
         keep = last[tokens] == position
-        if not bool(keep.all()):
-            tokens, logits = tokens[keep], logits[keep]
-        top = torch.topk(logits, self.k, dim=-1).indices.to(torch.int32)
+        tokens, index = tokens[keep], index[keep]
+        # only the kept nodes' logits are read (padding and duplicates are never copied)
+        top = torch.topk(logits[index.to(logits.device)].to(self.table.device), self.k, dim=-1).indices.to(torch.int32)
         self.table[tokens] = top
         self._dirty[tokens] = True
 

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import Sequence
 
 import torch
 
 from tr_serve.tr.draft import DraftBatch, build_draft
+from tr_serve.tr.sampling import walk_tree
 from tr_serve.tr.tree import CompiledTree
 
 
@@ -20,7 +22,8 @@ class Acceptance:
 
     accepted_nodes: list[torch.Tensor]
     emitted: list[torch.Tensor]
-    choices: torch.Tensor  # [b, q] the model's argmax token after every input
+    choices: torch.Tensor  # [b, q] the model's argmax token after every input (every row: the
+    # acceptance statistics read it, for sampled rows as a proxy of the draws)
     accepted_mask: torch.Tensor | None = None  # [b, q] nodes whose whole path equals the argmax choices
 
     @property
@@ -91,3 +94,31 @@ def accept_draft(batch: DraftBatch, choice: torch.Tensor) -> Acceptance:
         accepted.append(torch.tensor(path))
         emitted.append(torch.tensor([tokens[r][i] for i in path[1:]] + [choice_rows[r][node]]))
     return Acceptance(accepted, emitted, choice, ok)
+
+
+@dataclass(frozen=True)
+class RowSampling:
+    """How a sampled row draws (a greedy row has none): processed as transformers does, with the
+    request's own generator on the logits' device."""
+
+    temperature: float
+    top_k: int
+    top_p: float
+    generator: torch.Generator | None
+
+
+def verify_batch(batch: DraftBatch, logits: torch.Tensor, sampling: Sequence[RowSampling | None]) -> Acceptance:
+    """The one verification entry point for a batch of greedy and sampled rows.
+
+    logits [b, q, V]; sampling[r] None for a greedy row. Greedy rows keep the longest path equal
+    to the model's argmax, plus the bonus; sampled rows walk their tree with one draw per emitted
+    token (tr/sampling.py). The result holds what every row actually keeps and emits."""
+    acceptance = accept_draft(batch, logits.argmax(dim=-1))  # reads logits: the forward has finished
+    if all(s is None for s in sampling):
+        return acceptance
+    accepted, emitted = list(acceptance.accepted_nodes), list(acceptance.emitted)
+    for r, s in enumerate(sampling):
+        if s is not None:
+            accepted[r], emitted[r] = walk_tree(batch.tokens[r], logits[r], batch.children(r), s.temperature,
+                                                s.top_k, s.top_p, s.generator)
+    return replace(acceptance, accepted_nodes=accepted, emitted=emitted)
