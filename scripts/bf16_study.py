@@ -18,9 +18,12 @@ For each dtype (the embedded SmolLM2-135M loaded through ``tr_serve.model_loader
    each forward wrote, as a verify step does). At each position the argmax of the q-token forward is
    compared with the one-token forward's; every disagreement is listed with both forwards' top-2
    gaps. The q = 1 replay must reproduce plain decoding (``replay_matches_plain``).
-3. **Linear batch invariance**: each distinct linear shape of the model (first layer and LM head),
-   rows run alone and inside M-row calls; a row whose output changes with M is batch-variant. In
-   float32 both torch's ``F.linear`` and the runner's kernel plan are checked.
+3. **Batch invariance**: each distinct linear shape of the model (first layer and LM head), rows
+   run alone and inside M-row calls; a row whose output changes with M is batch-variant. In float32
+   both torch's ``F.linear`` and the runner's kernel plan are checked. The same for the runner's
+   attention call on the model's head shapes (q query rows at once vs one at a time).
+4. **Forward latency** of 1, 8 and 80 query tokens, the dtypes' runners interleaved round by round
+   (``--latency-only`` for just this part).
 
 The decision: bfloat16 may become the CPU default only if every output is identical and no argmax
 differs (``bf16_default_ok``). JSON: ``--json`` (default bench_out/bf16_study.json).
@@ -104,6 +107,36 @@ def linear_invariance(model: torch.nn.Module, row_counts: Sequence[int] = INVARI
     report["invariant"] = {k: all(v[k][m] == 0 for v in report.values() for m in v[k])
                            for k in ("torch", "plan") if any(k in v for v in report.values())}
     return report
+
+
+def attention_invariance(config, dtype: torch.dtype, context: int = 256, query_tokens: Sequence[int] = (8, 80),
+                         seed: int = 0) -> dict[str, dict[str, int]]:
+    """The runner's attention call (``scaled_dot_product_attention`` with GQA under a 4D additive mask)
+    on the model's head shapes: per q, how many of q causal query rows over a ``context`` prefix differ
+    bit for bit from the same row run alone, over the same keys (``same_kv``) and over the keys up
+    to its own slot, as a one-token forward sees them (``own_kv``)."""
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    d = getattr(config, "head_dim", None) or config.hidden_size // heads
+    g = torch.Generator().manual_seed(seed)
+    out = {}
+    for q in query_tokens:
+        n = context + q
+        k, v = (torch.randn(1, kv_heads, n, d, generator=g).to(dtype) for _ in range(2))
+        x = torch.randn(1, heads, q, d, generator=g).to(dtype)
+        visible = torch.ones(q, n, dtype=torch.bool)
+        visible[:, context:] = torch.ones(q, q, dtype=torch.bool).tril()
+        mask = torch.zeros(1, 1, q, n, dtype=dtype).masked_fill(~visible, torch.finfo(dtype).min)
+
+        def sdpa(i, j, kv):
+            return F.scaled_dot_product_attention(x[:, :, i:j], k[:, :, :kv], v[:, :, :kv], attn_mask=mask[:, :, i:j, :kv],
+                                                  enable_gqa=heads != kv_heads)
+
+        full = sdpa(0, q, n)
+        out[str(q)] = {"same_kv": sum(int(not torch.equal(sdpa(i, i + 1, n), full[:, :, i : i + 1])) for i in range(q)),
+                       "own_kv": sum(int(not torch.equal(sdpa(i, i + 1, context + i + 1), full[:, :, i : i + 1]))
+                                     for i in range(q))}
+    return out
 
 
 # ---- 2. argmax agreement ---------------------------------------------------------------------------
@@ -352,6 +385,8 @@ def run_study(load: Callable[[str], Any], dtypes: Sequence[str] = DEFAULT_DTYPES
             "outputs_identical": outputs_identical,
             "argmax_agreement": agreement,
             "linear_batch_invariance": invariance,
+            "attention_batch_variant_rows": attention_invariance(loaded.model.config, runner.dtype,
+                                                                 query_tokens=query_tokens),
             "seconds": round(time.perf_counter() - t0, 1),
         }
         for m in methods:
@@ -426,6 +461,8 @@ def report(result: dict[str, Any]) -> str:
         variant = {f"{n}/{k}": [m for m, c in v[k].items() if c] for n, v in inv.items() if n != "invariant"
                    for k in ("torch", "plan") if k in v and any(v[k].values())}
         lines.append(f"{name}: linears batch invariant {inv['invariant']}; batch-variant M per linear: {variant or 'none'}")
+        if "attention_batch_variant_rows" in d:
+            lines.append(f"{name}: attention rows that change inside a q-row call: {d['attention_batch_variant_rows']}")
         for m, e in d["methods"].items():
             for mm in e.get("mismatches", []):
                 lines.append(f"  {m} leaves {e['identical_to']} at question {mm['question_id']} pos {mm['position']}: "

@@ -81,6 +81,7 @@ def test_tiny_study_in_both_dtypes(study, tokenizer, tmp_path):
         for t in a["by_query_tokens"].values():
             assert t["positions"] == a["positions"] == 2 * 11
             assert t["disagreements"] == len(t["detail"])
+        assert list(d["attention_batch_variant_rows"]) == ["4", "16"]
         inv = d["linear_batch_invariance"]
         assert set(inv["invariant"]) == ({"torch", "plan"} if d["kernel_plan"] else {"torch"})
     fp32 = result["dtypes"]["float32"]
