@@ -11,60 +11,12 @@ import sys
 import time
 
 import pytest
-import torch
-from transformers import LlamaConfig, LlamaForCausalLM
 
-from tp_testutil import assert_same_or_near_tie, dev_questions
+from tp_testutil import PROMPTS, assert_same_or_near_tie, dev_questions, run, tiny
 from tr_serve.engine.config import EngineConfig
 from tr_serve.engine.engine import Engine
 from tr_serve.llm import encode_prompt
-from tr_serve.model_loader import LoadedModel
 from tr_serve.sampling_params import SamplingParams
-
-PROMPTS = [[5, 17, 99, 200, 3], [7, 8, 9], list(range(30, 90)), [400, 401]]
-
-
-def tiny(tokenizer, model_id: str) -> LoadedModel:
-    """12 heads, 6 kv heads (GQA groups of 2): splits 2 and 3 ways."""
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=512, hidden_size=48, intermediate_size=96, num_hidden_layers=2,
-                         num_attention_heads=12, num_key_value_heads=6, max_position_embeddings=512,
-                         initializer_range=0.5, tie_word_embeddings=True)
-    config._attn_implementation = "sdpa"
-    model = LlamaForCausalLM(config).eval()
-    model.requires_grad_(False)
-    return LoadedModel(model, tokenizer, model_id, (int(tokenizer.eos_token_id),))
-
-
-def rank_lengths(runner) -> list[list[int]]:
-    import ray
-
-    return ray.get([w.lengths.remote() for w in runner.workers])
-
-
-def run(engine, prompts, max_tokens: int, extra: dict[str, SamplingParams] | None = None):
-    """Greedy outputs by prompt index (plus ``extra`` requests by id); checks the scheduler's
-    stats and, on a tensor-parallel runner, that every rank's cache lengths equal the driver's."""
-    for i, p in enumerate(prompts):
-        engine.add_request(p, SamplingParams(max_tokens=max_tokens, ignore_eos=True), request_id=f"r{i}")
-    for rid, params in (extra or {}).items():
-        engine.add_request(prompts[0], params, request_id=rid)
-    total = len(prompts) + len(extra or {})
-    assert len(engine.waiting) + len(engine.prefilling) + len(engine.running) == total
-    done, steps = {}, 0
-    while engine.has_unfinished():
-        for o in engine.step():
-            if o.finished:
-                done[o.request_id] = o.token_ids
-        steps += 1
-        busy = len(engine.prefilling) + len(engine.running)
-        assert engine.num_rows - len(engine.free_rows) == busy
-        runner = engine.runner
-        if hasattr(runner, "workers") and not runner._pending:  # every queued call has reached the ranks
-            mirror = [runner.length(r) for r in range(engine.num_rows)]
-            assert rank_lengths(runner) == [mirror] * runner.world_size
-    assert len(done) == total
-    return [done[f"r{i}"] for i in range(len(prompts))], done, steps
 
 
 @pytest.mark.parametrize("world, budget", [(2, "fixed"), (3, "auto")])

@@ -1,11 +1,13 @@
-"""``configs/smollm2-cpu-tp.yaml``'s application on a local Ray instance: tensor-parallel replica
-(3 workers) answers greedy chat requests with the single-process engine's tokens; killing one
+"""``configs/smollm2-cpu-tp.yaml``'s application on a local Ray instance, fleet sync on: the
+tensor-parallel replica (3 workers) answers greedy chat requests with the single-process engine's tokens; killing one
 worker fails the request in flight with a clear 503, the replica reports unhealthy, and Serve
 brings up a working replacement."""
 
 from __future__ import annotations
 
+import tempfile
 import time
+import uuid
 from pathlib import Path
 
 import httpx
@@ -30,6 +32,9 @@ def app_args() -> dict:
     assert args["tensor_parallel_size"] == 3
     args["health_check_period_s"] = 1  # notice the dead worker within seconds
     args["max_model_len"] = 1024
+    # fleet sync on, as it works under TP: the replacement replica adopts the first one's rows
+    args["fleet"] = {"enabled": True, "namespace": f"tp-serve-{uuid.uuid4().hex[:8]}",
+                     "snapshot_dir": tempfile.mkdtemp(prefix="tp_serve_fleet_"), "sync_interval_s": 1}
     return args
 
 
@@ -99,6 +104,7 @@ def test_tp_app_matches_single_process_and_recovers_from_a_dead_worker(ray_tp, a
         check_answer(chat(app, question), text, n)
     stats = httpx.get(app + "/v1/tr/stats", timeout=30).json()["data"][0]
     assert stats["engine_alive"] and stats["num_running"] == 0
+    assert stats["fleet"] is not None  # fleet sync runs in the TP replica
 
     workers = worker_actors(ray_tp)
     assert len(workers) == 1, workers

@@ -81,7 +81,8 @@ class LLMServer:
         if not self.engine.alive:
             reason = f"after an error: {self.engine.error}" if self.engine.error is not None else "(step thread gone)"
             raise RuntimeError(f"engine stopped {reason}")
-        runner_health = getattr(self.engine.engine.runner, "check_health", None)  # TPModelRunner: pings every worker
+        runner = getattr(self.engine.engine, "runner", None)
+        runner_health = getattr(runner, "check_health", None)  # TPModelRunner: pings every worker
         if runner_health is not None:
             runner_health()
 
@@ -93,7 +94,7 @@ class LLMServer:
         engine = getattr(self, "engine", None)
         if engine is not None:
             engine.shutdown()
-            release = getattr(engine.engine.runner, "shutdown", None)  # TPModelRunner: its workers
+            release = getattr(getattr(engine.engine, "runner", None), "shutdown", None)  # TPModelRunner: its workers
             if release is not None:
                 release()
 

