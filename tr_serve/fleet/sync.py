@@ -381,8 +381,8 @@ class MatrixSync:
 async def start_fleet_sync(engine, config: FleetSyncConfig | dict | None, *, model_id: str,
                            tokenizer) -> MatrixSync | None:
     """For a serving replica: a started :class:`MatrixSync` for ``engine`` (an ``AsyncEngine``), or
-    ``None`` when fleet sync is off (tensor-parallel or not: the engine and its matrix are the
-    same). ``model_id`` keys the fleet: use the id of the weights
+    ``None`` when fleet sync is off (tensor parallelism included: the replica's engine holds the
+    matrix). ``model_id`` keys the fleet: use the id of the weights
     (``LoadedModel.model_id`` == ``EngineConfig.model``), not the served name. Returns at once:
     the actor is resolved (or created) by the background task, so a replica never waits for it."""
     if config is None:
