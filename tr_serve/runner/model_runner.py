@@ -16,17 +16,23 @@ from tr_serve.runner.kv_cache import SlotKVCache
 from tr_serve.runner.llama_body import body_for
 
 
-def build_step_mask(starts: torch.Tensor, local: torch.Tensor, kv_len: int, dtype: torch.dtype) -> torch.Tensor:
+def build_step_mask(starts: torch.Tensor, local: torch.Tensor, kv_len: int, dtype: torch.dtype,
+                    device: torch.device | str | None = None) -> torch.Tensor:
     """4D float mask [b, 1, q, kv_len]: row r sees its prefix slots < starts[r] and, among its own
-    new slots starts[r] .. starts[r]+q-1, those allowed by ``local`` [b or 1, q, q]."""
+    new slots starts[r] .. starts[r]+q-1, those allowed by ``local`` [b or 1, q, q].
+
+    Built on ``device`` (default: local's): only ``starts`` and ``local`` travel there, not the
+    mask (on a GPU at 32 rows x 81 queries x 8k slots the mask is ~40 MB in bf16)."""
+    device = torch.device(device) if device is not None else local.device
+    starts, local = starts.to(device), local.to(device)
     b, q = starts.shape[0], local.shape[-1]
-    rel = torch.arange(kv_len)[None, :] - starts[:, None]  # [b, kv_len] slot offset from row start
+    rel = torch.arange(kv_len, device=device)[None, :] - starts[:, None]  # [b, kv_len] slot offset from row start
     prefix = (rel < 0)[:, None, :]  # [b, 1, kv_len]
     in_new = (rel >= 0) & (rel < q)
     idx = rel.clamp(0, q - 1)[:, None, :].expand(b, q, kv_len)
     new = torch.gather(local.expand(b, q, q), 2, idx) & in_new[:, None, :]  # [b, q, kv_len]
     visible = prefix | new
-    mask = torch.zeros(b, 1, q, kv_len, dtype=dtype)
+    mask = torch.zeros(b, 1, q, kv_len, dtype=dtype, device=device)
     mask.masked_fill_(~visible[:, None], torch.finfo(dtype).min)
     return mask
 
@@ -83,7 +89,7 @@ class ModelRunner:
         zeros. Elsewhere every position is computed."""
         q = tokens.shape[1]
         starts = self.cache.begin_step(rows, q)
-        mask = build_step_mask(starts, local, self.cache.step_kv_len, self.dtype).to(self.device)
+        mask = build_step_mask(starts, local, self.cache.step_kv_len, self.dtype, self.device)
         positions = (starts[:, None] + depths).to(self.device)
         body = body_for(self.model)  # plain Llama: its layers without transformers' wrappers, same arithmetic
         with self._kernels(), runner_attention(self.model):
