@@ -103,7 +103,7 @@ class ContextStats:
     counts of "the j-th retrieved token was the model's choice, given the ones before it were"
     (conditional, observed only when its parent's path was accepted, as for the template)."""
 
-    BUCKETS = (1, 2, 3, 4, 6)  # match lengths 1, 2, 3, 4-5, 6+
+    BUCKETS = (2, 3, 4, 6)  # match lengths 2, 3, 4-5, 6+ (a match of 1 token is the matrix's job)
 
     def __init__(self, max_tokens: int, decay: float = 0.995, prior: float = 0.5, prior_weight: float = 2.0):
         self.max_tokens = max_tokens
