@@ -83,12 +83,23 @@ def test_measured_step_latency_corrects_the_calibrated_table():
     latency = StepLatency(LatencyTable((1, 64), (1.0, 1.1)), alpha=1.0)
     # the one-row table says 40 tokens cost about one forward: every row verifies 4 nodes
     assert choose_plan(rates, [NO_BRANCH] * 8, latency, (0, 4), (0,)) == [(4, 0)] * 8
-    latency.observe(8, 8, 1.0)
-    latency.observe(8, 40, 3.0)  # measured: a batch of 8 trees costs 3 plain steps, more than it brings
-    assert latency(8, 40) == pytest.approx(3.0)
-    assert latency(8, 48) == pytest.approx(3.0 / LatencyTable((1, 64), (1.0, 1.1))(40) * latency.table(48))
-    assert latency(4, 8) == latency.table(8)  # another row count: the table until it is measured
+    latency.observe(8, 8, 1.0, width=1)
+    latency.observe(8, 40, 3.0, width=5)  # measured: a batch of 8 trees costs 3 plain steps, more than it brings
+    assert latency(8, 40, 5) == pytest.approx(3.0)
+    assert latency(8, 48, 5) == pytest.approx(3.0 / LatencyTable((1, 64), (1.0, 1.1))(40) * latency.table(48))
+    assert latency(4, 8, 1) == latency.table(8)  # another row count: the table until it is measured
     assert choose_plan(rates, [NO_BRANCH] * 8, latency, (0, 4), (0,)) == [(0, 0)] * 8
+
+
+def test_padded_width_is_priced_per_row_count():
+    # 8 rows, 12 query tokens in all: 1 wide row padded to 5 costs more than the same tokens
+    # spread 1-2 per row, because attention runs every row at the padded width
+    latency = StepLatency(LatencyTable((1, 64), (1.0, 1.1)), alpha=1.0)
+    latency.observe(8, 12, 1.1, width=2)
+    latency.observe(8, 12, 2.0, width=5)
+    assert latency(8, 12, 2) < latency(8, 12, 5)
+    assert latency(8, 12, 4) == latency(8, 12, 5)  # same power-of-two width bucket
+    assert latency(8, 12, 16) == latency(8, 12, 5)  # unseen width: the nearest seen one
 
 
 def test_only_rows_with_a_promising_branch_draft_beside_plain_rows():

@@ -170,34 +170,41 @@ class LatencyTable:
 
 
 class StepLatency:
-    """Step latency by (rows, query tokens in the step).
+    """Step latency by (rows, query tokens in the step, padded width).
 
     The start-up table is measured on one row. A batch of rows costs more than its token count
-    says (one KV row per sequence in attention, the mask, other kernel shapes), so while serving
-    the engine observes each step and keeps, per row count and per power-of-two bucket of query
-    tokens, the moving average of measured / table; a bucket not seen yet takes the nearest seen
-    bucket's ratio of the same row count, or the table alone."""
+    says: the runner packs the rows' real tokens for the linear layers, but attention, the 4D mask
+    and the KV writes run over every row at the padded width (one row's long branch widens them
+    all). So while serving the engine observes each step and keeps, per (row count, power-of-two
+    bucket of the padded width) and per power-of-two bucket of query tokens, the moving average of
+    measured / table; an unseen bucket takes the nearest seen one of the same rows (and width),
+    or the table alone."""
 
     def __init__(self, table: LatencyTable, alpha: float = 0.2):
         self.table = table
         self.alpha = alpha
-        self.ratios: dict[int, dict[int, float]] = {}  # rows -> token bucket -> measured / table
+        # (rows, width bucket) -> token bucket -> measured / table
+        self.ratios: dict[tuple[int, int], dict[int, float]] = {}
 
     @staticmethod
     def bucket(tokens: int) -> int:
         return max(1, tokens).bit_length()
 
-    def observe(self, rows: int, tokens: int, seconds: float) -> None:
+    def observe(self, rows: int, tokens: int, seconds: float, width: int | None = None) -> None:
         ratio = seconds / max(self.table(tokens), 1e-9)
-        seen = self.ratios.setdefault(rows, {})
+        seen = self.ratios.setdefault((rows, self.bucket(width or 1)), {})
         k = self.bucket(tokens)
         old = seen.get(k)
         seen[k] = ratio if old is None else old + self.alpha * (ratio - old)
 
-    def __call__(self, rows: int, tokens: int) -> float:
-        seen = self.ratios.get(rows)
+    def __call__(self, rows: int, tokens: int, width: int | None = None) -> float:
+        wb = self.bucket(width or 1)
+        seen = self.ratios.get((rows, wb))
         if not seen:
-            return self.table(tokens)
+            widths = [w for r, w in self.ratios if r == rows]
+            if not widths:
+                return self.table(tokens)
+            seen = self.ratios[(rows, min(widths, key=lambda w: (abs(w - wb), w)))]
         k = self.bucket(tokens)
         ratio = seen.get(k)
         if ratio is None:
@@ -237,8 +244,9 @@ def choose_plan(template_rates: list[float], chains: list[tuple[list[int], list[
     without a branch. The first tokens that merge into the row's verified template nodes cost
     nothing; the rest, at most L of them, are extra nodes of that row.
 
-    The step costs one forward over the sum of the rows' tokens (the runner packs rows, so a long
-    branch in one row is not paid for by the others). Each row's options reduce to a frontier of
+    The step costs one forward over the sum of the rows' tokens (the runner packs rows for the
+    linear layers) at the widest row's width (attention and the mask run padded: the latency
+    model learns what width costs per row count). Each row's options reduce to a frontier of
     (expected accepted tokens, nodes); a price per query token picks one option per row, and the
     price whose plan has the best expected tokens per second wins. With ``explore``, the runner-up
     plan instead, so the latency of other shapes keeps being measured."""
@@ -267,7 +275,7 @@ def choose_plan(template_rates: list[float], chains: list[tuple[list[int], list[
         frontiers.append(_frontier(options))
     plans: dict[tuple[tuple[int, int], ...], float] = {}
     for price in _PRICES:
-        gain, cost, plan = 0.0, 0, []
+        gain, cost, widest, plan = 0.0, 0, 0, []
         for frontier in frontiers:
             if price == float("inf"):
                 best = frontier[0]
@@ -275,10 +283,11 @@ def choose_plan(template_rates: list[float], chains: list[tuple[list[int], list[
                 best = max(frontier, key=lambda o: (o[0] - price * o[1], -o[1]))
             gain += best[0]
             cost += best[1]
+            widest = max(widest, best[1])
             plan.append((best[2], best[3]))
         key = tuple(plan)
         if key not in plans:
-            plans[key] = (rows + gain) / latency(rows, rows + cost)
+            plans[key] = (rows + gain) / latency(rows, rows + cost, 1 + widest)
     ranked = sorted(plans.items(), key=lambda kv: (kv[1], -sum(n + c for n, c in kv[0])), reverse=True)
     pick = ranked[1] if explore and len(ranked) > 1 else ranked[0]
     return list(pick[0])

@@ -186,7 +186,7 @@ class Drafter:
         a proxy) and the measured latency of this step's shape."""
         rows = batch.tokens.shape[0]
         if self.latency is not None and seconds is not None:
-            self.latency.observe(rows, batch.num_inputs, seconds)
+            self.latency.observe(rows, batch.num_inputs, seconds, batch.tokens.shape[1])
         if self.acceptance is not None:
             n_full = self.template.num_nodes
             cols = torch.cat([torch.zeros(1, dtype=torch.long), batch.template_nodes])
