@@ -400,7 +400,7 @@ def run_study(load: Callable[[str], Any], dtypes: Sequence[str] = DEFAULT_DTYPES
     if len(baselines) > 1:
         names = list(baselines)
         a, b = baselines[names[0]], baselines[names[1]]
-        from tr_serve.bench.spec_bench import first_mismatch
+        from tr_serve.bench.records import first_mismatch
 
         result["cross_dtype_plain"] = {
             "dtypes": names[:2],

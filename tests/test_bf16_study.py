@@ -3,25 +3,19 @@ batch-invariance check, and a whole study in float32 and bfloat16 whose report i
 
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
 import torch
 
+from script_module import load_script
 from tests.tiny_model import tiny_loaded
 from tr_serve.engine.config import EngineConfig
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
 def study():
-    spec = importlib.util.spec_from_file_location("bf16_study", ROOT / "scripts" / "bf16_study.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("bf16_study")
 
 
 def test_engine_config_validates_dtype():

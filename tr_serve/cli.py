@@ -33,7 +33,7 @@ class OneLineErrorParser(argparse.ArgumentParser):
 
 def build_parser() -> OneLineErrorParser:
     from tr_serve.bench import spec_bench
-    from tr_serve.bench.spec_bench import _positive_int
+    from tr_serve.bench.records import positive_int
 
     parser = OneLineErrorParser(prog="tr-serve", description="Lossless Token Recycling speculative decoding.")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
@@ -44,14 +44,14 @@ def build_parser() -> OneLineErrorParser:
     g.add_argument("--prompt", required=True, help="the user message (or the raw text with --raw)")
     g.add_argument("--model", default=DEFAULT_MODEL,
                    help=f"model directory, .gguf file, hub id or {DEFAULT_MODEL} (default)")
-    g.add_argument("--max-tokens", type=_positive_int, default=128, metavar="N",
+    g.add_argument("--max-tokens", type=positive_int, default=128, metavar="N",
                    help="new tokens at most (default: 128)")
     trees = g.add_mutually_exclusive_group()
     trees.add_argument("--tree", default="auto", metavar="auto|2.2.2|NAME[+ctx]|pld|PATH.json",
                        help="tree setting: auto (cost-aware hybrid), a template name or JSON file of paths, "
                             "<template>+ctx, or pld (default: auto)")
     trees.add_argument("--no-tr", action="store_true", help="plain greedy decoding through the same runner")
-    g.add_argument("--k", type=_positive_int, default=8, help="candidates per matrix row (default: 8)")
+    g.add_argument("--k", type=positive_int, default=8, help="candidates per matrix row (default: 8)")
     g.add_argument("--stop", nargs="+", action="extend", default=[], metavar="S",
                    help="stop strings (cut from the answer)")
     g.add_argument("--raw", action="store_true", help="tokenize the prompt as is, without the chat template")
@@ -68,7 +68,7 @@ def build_parser() -> OneLineErrorParser:
                         "continuous batching (baseline), same-runner pld and tr:<tree> for each --tree (default: "
                         "tr:2.2.2 and tr:auto); every level and round serves --per-category questions per "
                         "category of its own")
-    b.add_argument("--rounds", type=_positive_int, default=1, metavar="R",
+    b.add_argument("--rounds", type=positive_int, default=1, metavar="R",
                    help="with --concurrency: R rounds per level, each on questions of its own, alternating the "
                         "order of the methods each round (default: 1)")
     b.add_argument("--latency", action="store_true",

@@ -5,13 +5,12 @@ bench`` gives, its stop tokens are tr_serve's, and its JSON has ``tr-serve bench
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import pytest
 
+from script_module import load_script
 from tr_serve.bench import spec_bench
 from tr_serve.bench.report import markdown_tables
 from tr_serve.data import SPEC_BENCH_DEV
@@ -20,22 +19,14 @@ from tr_serve.llm import encode_prompt
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _load(name: str):
-    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module  # dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
-
-
 @pytest.fixture(scope="module")
 def peer():
-    return _load("peer_vllm")
+    return load_script("peer_vllm")
 
 
 @pytest.fixture(scope="module")
 def merge():
-    return _load("merge_bench_tables")
+    return load_script("merge_bench_tables")
 
 
 def test_the_script_imports_neither_tr_serve_nor_vllm_at_module_level(peer):
@@ -128,7 +119,7 @@ def _peer_result(peer, ngram_ids=None) -> dict:
                 spec = {"drafts": 1, "draft_tokens": 4, "accepted_draft_tokens": 2, "accepted_per_position": [1, 1, 0, 0]}
             m.runs.append(peer.Run(81 + 10 * i, cat, ids, 0.2 if m.kind == "ngram" else 0.4,
                                    3 if m.kind == "baseline" else 1, len(ids) - 1, "stop", spec))
-    return peer._round({"model": "smollm2-135m-instruct", "device": "cpu", "dtype": "float32", "questions": 2,
+    return peer.round_floats({"model": "smollm2-135m-instruct", "device": "cpu", "dtype": "float32", "questions": 2,
                         "question_ids": [81, 91], "categories": cats, "warmup_question_ids": [83],
                         "max_new_tokens": 4, "per_category": 1, "torch": "2.13.0+cpu", "transformers": "5",
                         "torch_threads": 2, "cpu_kernels": "vllm", "kernel_plan": "vllm", "vllm": "0.32.0",

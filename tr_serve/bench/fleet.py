@@ -35,8 +35,8 @@ from collections import OrderedDict
 from pathlib import Path
 from typing import Any, Sequence
 
-from tr_serve.bench.spec_bench import (DEFAULT_MODEL, DEFAULT_QUESTIONS, BenchError, Question, _positive_int,
-                                       read_questions, resolve_device)
+from tr_serve.bench.records import BenchError, Question, positive_int, read_questions
+from tr_serve.bench.spec_bench import DEFAULT_MODEL, DEFAULT_QUESTIONS, resolve_device
 
 DEFAULT_JSON = os.path.join("bench_out", "bench_fleet.json")
 TARGETS = {"fleet_over_cold": 1.05, "token_path_overhead": 0.01, "adopt_ms": 20.0}
@@ -376,19 +376,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"Spec-Bench JSONL (default: {DEFAULT_QUESTIONS})")
     p.add_argument("--json", dest="json_out", default=DEFAULT_JSON, metavar="OUT",
                    help=f"result JSON (default: {DEFAULT_JSON})")
-    p.add_argument("--per-category", type=_positive_int, default=1, metavar="N",
+    p.add_argument("--per-category", type=positive_int, default=1, metavar="N",
                    help="N warm and N measured questions per category (default: 1)")
-    p.add_argument("--max-new-tokens", type=_positive_int, default=48, metavar="N", help="default: 48")
+    p.add_argument("--max-new-tokens", type=positive_int, default=48, metavar="N", help="default: 48")
     p.add_argument("--tree", default="2.2.2", metavar="NAME|PATH", help="Token Recycling tree (default: 2.2.2)")
     p.add_argument("--model", default=DEFAULT_MODEL, help=f"default: {DEFAULT_MODEL}")
-    p.add_argument("--k", type=_positive_int, default=8, help="candidates per matrix row (default: 8)")
+    p.add_argument("--k", type=positive_int, default=8, help="candidates per matrix row (default: 8)")
     p.add_argument("--sync-interval-s", type=_positive_float, default=2.0, metavar="S",
                    help="replica push/poll period (default: 2.0, the serving default)")
     p.add_argument("--snapshot-dir", default=None, metavar="DIR",
                    help="actor snapshot root (default: a temporary folder, removed at the end)")
     p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default: auto)")
     p.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16 (default: auto)")
-    p.add_argument("--cpu-threads", type=_positive_int, default=None, metavar="N", help="torch.set_num_threads")
+    p.add_argument("--cpu-threads", type=positive_int, default=None, metavar="N", help="torch.set_num_threads")
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:

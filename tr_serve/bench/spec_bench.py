@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import sys
 import time
@@ -40,6 +39,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
+from tr_serve.bench.records import (BenchError, Question, Run, check_same_questions, method_entry,  # noqa: F401 - re-exported
+                                    non_negative_int, positive_int, read_questions, round_floats, select_questions,
+                                    warmup_questions)
 from tr_serve.data import SPEC_BENCH_DEV
 from tr_serve.engine.config import CPU_KERNEL_MODES
 
@@ -48,10 +50,6 @@ DEFAULT_MODEL = "smollm2-135m-instruct"
 DEFAULT_JSON = os.path.join("bench_out", "bench.json")
 HF_PLD_NUM_TOKENS = 10  # transformers' prompt_lookup_num_tokens for hf-pld
 SEEDING_MODES = ("off", "on", "both")
-
-
-class BenchError(ValueError):
-    """Bad benchmark input (arguments, question file, tree, model): reported as one line, exit 2."""
 
 
 @dataclass
@@ -130,95 +128,7 @@ def validate_tree(spec: str, k: int) -> None:
         raise BenchError(str(e)) from None
 
 
-# ---- questions ---------------------------------------------------------------------------------
-
-@dataclass
-class Question:
-    question_id: Any
-    category: str
-    text: str
-    prompt_ids: list[int] = field(default_factory=list)
-
-
-def read_questions(path: str | os.PathLike) -> list[Question]:
-    """All questions of a Spec-Bench JSONL file, first turn only, in file order."""
-    p = Path(path)
-    if not p.is_file():
-        raise BenchError(f"question file {p} does not exist (give one with --questions)")
-    out: list[Question] = []
-    with p.open(encoding="utf-8") as f:
-        for lineno, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise BenchError(f"{p}:{lineno}: not valid JSON ({e.msg})") from None
-            if not isinstance(obj, dict):
-                raise BenchError(f"{p}:{lineno}: each line must be a JSON object")
-            missing = [k for k in ("question_id", "category", "turns") if k not in obj]
-            if missing:
-                raise BenchError(f"{p}:{lineno}: missing {', '.join(missing)}")
-            turns = obj["turns"]
-            if not isinstance(turns, list) or not turns or not isinstance(turns[0], str) or not turns[0].strip():
-                raise BenchError(f"{p}:{lineno}: 'turns' must be a non-empty list of strings")
-            out.append(Question(obj["question_id"], str(obj["category"]), turns[0]))
-    if not out:
-        raise BenchError(f"question file {p} has no questions")
-    return out
-
-
-def select_questions(questions: Sequence[Question], per_category: int) -> tuple[list[Question], list[Question]]:
-    """The first ``per_category`` questions of each category (categories in order of first
-    appearance, questions in file order), and the questions left over."""
-    by_cat: "OrderedDict[str, list[Question]]" = OrderedDict()
-    for q in questions:
-        by_cat.setdefault(q.category, []).append(q)
-    chosen = [q for qs in by_cat.values() for q in qs[:per_category]]
-    picked = {id(q) for q in chosen}
-    rest = [q for q in questions if id(q) not in picked]
-    return chosen, rest
-
-
-def warmup_questions(chosen: Sequence[Question], rest: Sequence[Question], n: int) -> list[Question]:
-    """Warm-up questions: unmeasured ones first (one per category, round robin, so the TR matrices
-    are warmed on varied text), falling back to measured ones when the file has too few."""
-    if n <= 0:
-        return []
-    by_cat: "OrderedDict[str, list[Question]]" = OrderedDict()
-    for q in rest:
-        by_cat.setdefault(q.category, []).append(q)
-    ordered: list[Question] = []
-    depth = 0
-    while len(ordered) < len(rest):
-        for qs in by_cat.values():
-            if depth < len(qs):
-                ordered.append(qs[depth])
-        depth += 1
-    pool = ordered + list(chosen)
-    return [pool[i % len(pool)] for i in range(n)]
-
-
 # ---- methods -----------------------------------------------------------------------------------
-
-@dataclass
-class Run:
-    """One method on one question. ``accepted`` / ``forwards`` is the MAT: engine methods count the
-    engine's own ``stats.accepted_per_step`` (sum / steps); hf-* count new tokens and forward passes
-    (both less the prefill's)."""
-
-    question_id: Any
-    category: str
-    token_ids: list[int]
-    seconds: float
-    forwards: int  # verification forwards, prefill excluded
-    accepted: int  # tokens those forwards emitted (the prefill's first token excluded)
-    finish: str = ""
-
-    @property
-    def new_tokens(self) -> int:
-        return len(self.token_ids)
-
 
 @dataclass
 class Method:
@@ -350,27 +260,6 @@ def build_methods(cfg: BenchConfig) -> list[Method]:
     return methods
 
 
-def _ratio(num: float, den: float, empty: float | None) -> float | None:
-    return num / den if den else empty
-
-
-def _first_difference(a: Sequence[int], b: Sequence[int]) -> int | None:
-    for i, (x, y) in enumerate(zip(a, b)):
-        if x != y:
-            return i
-    return None if len(a) == len(b) else min(len(a), len(b))
-
-
-def first_mismatch(reference: Sequence[int], other: Sequence[int]) -> dict | None:
-    """Where ``other`` first leaves ``reference`` (None when they are equal)."""
-    pos = _first_difference(reference, other)
-    if pos is None:
-        return None
-    return {"position": pos, "reference_len": len(reference), "method_len": len(other),
-            "reference_token": reference[pos] if pos < len(reference) else None,
-            "method_token": other[pos] if pos < len(other) else None}
-
-
 def logit_gap_at(loaded, prompt_ids: list[int], reference: list[int], mismatch: dict) -> dict:
     """The model's top-2 logits where a method left the reference (a plain Hugging Face forward over
     prompt + common prefix): a near tie says rounding, a wide gap says a real error."""
@@ -394,81 +283,25 @@ def summarize(methods: list[Method], categories: list[str]) -> dict:
     entry per differing question: where it first differs), per category and per question."""
     by_name = {m.name: m for m in methods}
     base = by_name["baseline"]
-    for m in methods:
-        if [r.question_id for r in m.runs] != [r.question_id for r in base.runs]:
-            raise ValueError(f"method {m.name} ran other questions than the baseline")
-
-    def totals(runs: list[Run]) -> tuple[int, float, int, int]:
-        return (sum(r.new_tokens for r in runs), sum(r.seconds for r in runs),
-                sum(r.accepted for r in runs), sum(r.forwards for r in runs))
-
-    def tps(m: Method, cat: str | None = None) -> float:
-        t, s, _, _ = totals([r for r in m.runs if cat is None or r.category == cat])
-        return _ratio(t, s, 0.0)
-
+    check_same_questions({m.name: m.runs for m in methods}, "baseline")
     out: dict[str, dict] = {}
     for m in methods:
-        tok, sec, acc, fwd = totals(m.runs)
         ref = by_name[m.reference]
         # the baseline is the reference of every other method's tokens; its own are checked against
         # transformers' greedy decoding when that ran
         check_against = by_name.get("hf-greedy") if m is base else base
-        entry: dict[str, Any] = {
-            "kind": m.kind,
-            "mat": _ratio(acc, fwd, None),
-            "tokens_per_s": tps(m),
-            "speedup": 1.0 if ref is m else _ratio(tps(m), tps(ref), 0.0),
-            "reference": ref.name,
-            "identical": None,
-            "identical_to": check_against.name if check_against else None,
-            "per_category": {},
-            "new_tokens": tok,
-            "seconds": sec,
-            "verification_forwards": fwd,
-            "accepted": acc,
-        }
+        entry: dict[str, Any] = {"kind": m.kind, "reference": ref.name,
+                                 "identical_to": check_against.name if check_against else None}
         if m.kind in ("tr", "pld"):
             entry["tree"] = m.tree
         if m.kind == "tr":
             entry["prompt_seeding"] = m.prompt_seeding
         if m.kind == "hf":
             entry["prompt_lookup_num_tokens"] = m.lookup or None
-        for cat in categories:
-            t, s, a, f = totals([r for r in m.runs if r.category == cat])
-            entry["per_category"][cat] = {
-                "mat": _ratio(a, f, None),
-                "speedup": 1.0 if ref is m else _ratio(tps(m, cat), tps(ref, cat), 0.0),
-                "tokens_per_s": tps(m, cat),
-                "new_tokens": t,
-            }
-        per_q, mismatches = [], []
-        for i, r in enumerate(m.runs):
-            q = {"question_id": r.question_id, "category": r.category, "new_tokens": r.new_tokens,
-                 "verification_forwards": r.forwards, "accepted": r.accepted, "seconds": round(r.seconds, 6),
-                 "finish": r.finish}
-            if check_against is not None:
-                mm = first_mismatch(check_against.runs[i].token_ids, r.token_ids)
-                q["identical"] = mm is None
-                if mm is not None:
-                    mismatches.append({"question_id": r.question_id, "category": r.category, **mm})
-            per_q.append(q)
-        if check_against is not None:
-            entry["identical"] = not mismatches
-            if mismatches:
-                entry["mismatches"] = mismatches
-        entry["per_question"] = per_q
+        entry.update(method_entry(m.runs, None if ref is m else ref.runs,
+                                  check_against.runs if check_against else None, categories))
         out[m.name] = entry
     return out
-
-
-def _round(obj, digits: int = 6):
-    if isinstance(obj, float):
-        return round(obj, digits) if math.isfinite(obj) else None
-    if isinstance(obj, dict):
-        return {k: _round(v, digits) for k, v in obj.items()}
-    if isinstance(obj, list):
-        return [_round(v, digits) for v in obj]
-    return obj
 
 
 DEFINITIONS = {
@@ -593,7 +426,7 @@ def run_bench(cfg: BenchConfig, loaded=None, progress: bool = True) -> dict:
         "definitions": DEFINITIONS,
         "methods": summary,
     }
-    result = _round(result)
+    result = round_floats(result)
     out = Path(cfg.json_out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")
@@ -606,33 +439,13 @@ def run_bench(cfg: BenchConfig, loaded=None, progress: bool = True) -> dict:
 
 # ---- command line ------------------------------------------------------------------------------
 
-def _positive_int(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    return v
-
-
-def _non_negative_int(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a non-negative integer, got {text!r}") from None
-    if v < 0:
-        raise argparse.ArgumentTypeError(f"expected a non-negative integer, got {text!r}")
-    return v
-
-
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--questions", default=DEFAULT_QUESTIONS, metavar="PATH",
                    help="Spec-Bench JSONL (question_id, category, turns); the first turn is the user message "
                         "(default: the Spec-Bench dev questions packaged in tr_serve/data)")
-    p.add_argument("--per-category", type=_positive_int, default=2, metavar="N",
+    p.add_argument("--per-category", type=positive_int, default=2, metavar="N",
                    help="first N questions of each category (default: 2)")
-    p.add_argument("--max-new-tokens", type=_positive_int, default=128, metavar="N", help="default: 128")
+    p.add_argument("--max-new-tokens", type=positive_int, default=128, metavar="N", help="default: 128")
     p.add_argument("--tree", action="append", dest="trees", metavar="SPEC",
                    help="Token Recycling tree setting, repeatable: a template (2.2.2, top8, a .json file of paths), "
                         "<template>+ctx (the hybrid with a context branch) or auto (cost-aware budget); "
@@ -650,12 +463,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="skip 'pld', prompt lookup through the same engine, runner and kernels")
     p.add_argument("--no-hf", dest="hf", action="store_false",
                    help="skip the transformers reference rows 'hf-greedy' and 'hf-pld' (generate, torch kernels)")
-    p.add_argument("--warmup", type=_non_negative_int, default=1, metavar="N",
+    p.add_argument("--warmup", type=non_negative_int, default=1, metavar="N",
                    help="questions decoded untimed by every method first (they warm the TR matrices too; default: 1)")
-    p.add_argument("--k", type=_positive_int, default=8, help="candidates per matrix row (default: 8)")
+    p.add_argument("--k", type=positive_int, default=8, help="candidates per matrix row (default: 8)")
     p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default: auto)")
     p.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16 (default: auto)")
-    p.add_argument("--threads", type=_positive_int, default=None, metavar="N",
+    p.add_argument("--threads", type=positive_int, default=None, metavar="N",
                    help="torch CPU threads (default: torch's choice; 1 is steadier on a busy machine)")
     p.add_argument("--no-time-split", dest="time_split", action="store_false",
                    help="do not time the engine phases (on CUDA the phase timer synchronizes)")

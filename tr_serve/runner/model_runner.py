@@ -37,6 +37,14 @@ def build_step_mask(starts: torch.Tensor, local: torch.Tensor, kv_len: int, dtyp
     return mask
 
 
+def real_positions(lengths: torch.Tensor | None, q: int, device: torch.device) -> torch.Tensor | None:
+    """[b * q] bool on ``device``: the first lengths[r] tokens of each row of width ``q``; None when
+    no row is padded (nothing to pack)."""
+    if lengths is None or not bool((lengths < q).any()):
+        return None
+    return (torch.arange(q)[None, :] < lengths[:, None]).flatten().to(device)
+
+
 def kv_bytes_per_row(config, max_len: int, dtype: torch.dtype) -> int:
     """Bytes of K and V for one sequence of ``max_len`` tokens over all layers."""
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
@@ -80,11 +88,11 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward(self, rows: torch.Tensor, tokens: torch.Tensor, depths: torch.Tensor, local: torch.Tensor,
-                lengths: torch.Tensor | None = None) -> torch.Tensor:
+                real: torch.Tensor | None = None) -> torch.Tensor:
         """Hidden states [b, q, hidden] for ``tokens`` [b, q] at positions lens[row] + depths [b or 1, q].
 
-        lengths [b]: real tokens per row, padding after them. Where the model's body runs here
-        (plain Llama on CPU), the linear layers and the LM head see only the real tokens (rows
+        real [b * q] bool (:func:`real_positions`): the tokens that are not padding. Where the
+        model's body runs here (plain Llama on CPU), the linear layers see only those (rows
         packed), attention and the cache write the padded layout; padded positions come back as
         zeros. Elsewhere every position is computed."""
         q = tokens.shape[1]
@@ -94,11 +102,8 @@ class ModelRunner:
         body = body_for(self.model)  # plain Llama: its layers without transformers' wrappers, same arithmetic
         with self._kernels(), runner_attention(self.model):
             if body is not None:
-                real = None
-                if lengths is not None and bool((lengths < q).any()):
-                    real = (torch.arange(q)[None, :] < lengths[:, None]).flatten().nonzero().flatten()
-                    real = real.to(self.device)
-                return body(tokens.to(self.device), positions, mask, self.cache, real)
+                index = real.nonzero().flatten() if real is not None else None
+                return body(tokens.to(self.device), positions, mask, self.cache, index)
             out = self.model.model(
                 input_ids=tokens.to(self.device), attention_mask=mask, position_ids=positions,
                 cache=self.cache, use_cache=True,
@@ -129,7 +134,7 @@ class ModelRunner:
         valid = torch.arange(q)[None, :] < lengths[:, None]  # [b, q]
         local = causal[None] & valid[:, None, :]
         local = local | torch.eye(q, dtype=torch.bool)[None]  # pad queries see themselves: no empty rows
-        hidden = self.forward(rows, tokens, torch.arange(q)[None], local, lengths)
+        hidden = self.forward(rows, tokens, torch.arange(q)[None], local, real_positions(lengths, q, self.device))
         last = hidden[torch.arange(b), (lengths - 1).to(self.device)]  # [b, hidden]
         last_logits = self.logits(last)
         every = None
@@ -154,12 +159,12 @@ class ModelRunner:
             depths = depths[None]
         if tree_mask.dim() == 2:
             tree_mask = tree_mask[None]
-        hidden = self.forward(rows, safe, depths, tree_mask, lengths)
-        if lengths is None or not bool((lengths < tokens.shape[1]).any()):
+        b, q = tokens.shape
+        real = real_positions(lengths, q, self.device)
+        hidden = self.forward(rows, safe, depths, tree_mask, real)
+        if real is None:
             return self.logits(hidden)
         # the LM head over the real positions only; padding gets zero logits (never accepted)
-        b, q = tokens.shape
-        real = (torch.arange(q)[None, :] < lengths[:, None]).flatten().to(self.device)
         flat = hidden.reshape(b * q, -1)
         out = torch.empty(b * q, self.vocab_size, dtype=torch.float32, device=self.device)
         out[real] = self.logits(flat[real])

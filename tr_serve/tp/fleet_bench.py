@@ -61,7 +61,7 @@ async def _answer(engine, prompts: list[list[int]], max_tokens: int, tag: str) -
 
 async def _bench(args) -> dict:
     from tr_serve.bench.fleet import _mat, split_questions
-    from tr_serve.bench.spec_bench import read_questions
+    from tr_serve.bench.records import read_questions
     from tr_serve.data import SPEC_BENCH_DEV
     from tr_serve.engine.async_engine import AsyncEngine
     from tr_serve.engine.engine import Engine

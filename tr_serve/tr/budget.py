@@ -204,12 +204,13 @@ class StepLatency:
             widths = [w for r, w in self.ratios if r == rows]
             if not widths:
                 return self.table(tokens)
-            seen = self.ratios[(rows, min(widths, key=lambda w: (abs(w - wb), w)))]
-        k = self.bucket(tokens)
-        ratio = seen.get(k)
-        if ratio is None:
-            ratio = seen[min(seen, key=lambda j: (abs(j - k), j))]
-        return self.table(tokens) * ratio
+            seen = self.ratios[(rows, _nearest(widths, wb))]
+        return self.table(tokens) * seen[_nearest(seen, self.bucket(tokens))]
+
+
+def _nearest(keys, k: int) -> int:
+    """The key closest to ``k`` (the lower one on a tie)."""
+    return min(keys, key=lambda j: (abs(j - k), j))
 
 
 def _cumulative(values) -> list[float]:

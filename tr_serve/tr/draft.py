@@ -80,13 +80,13 @@ class DraftBatch:
 
 def build_draft(template_tokens: torch.Tensor, tree: CompiledTree, template_nodes: torch.Tensor,
                 chains: list[list[int]] | None = None, match_lengths: list[int] | None = None,
-                row_nodes: list[int] | None = None) -> DraftBatch:
+                row_nodes: list[int] | None = None, caps: list[int] | None = None) -> DraftBatch:
     """template_tokens [b, n+1]: the root and the drafted tokens of ``tree``'s n nodes (which are
     the full template's nodes ``template_nodes``); row_nodes[r]: row r verifies only the first
     row_nodes[r] of them (parents come before children, so a prefix is a tree; default: all);
     chains: per row, a retrieved continuation of the root (may be empty), hung under the root
-    through the row's template nodes while the tokens agree, the rest as one chain right after
-    the row's template columns."""
+    through the row's template nodes while the tokens agree, the rest (at most caps[r] tokens;
+    default: all) as one chain right after the row's template columns."""
     b, width = template_tokens.shape
     n = width - 1
     chains = chains or [[] for _ in range(b)]
@@ -100,7 +100,7 @@ def build_draft(template_tokens: torch.Tensor, tree: CompiledTree, template_node
         for j, tok in enumerate(chain):
             nxt = next((c for c in tree.children[node] if c <= limit and rows_tokens[r][c] == tok), None)
             if nxt is None:
-                rest = list(chain[j:])
+                rest = list(chain[j:]) if caps is None else list(chain[j : j + caps[r]])
                 break
             node = nxt
             cols.append(nxt)

@@ -107,8 +107,8 @@ class Drafter:
         row_nodes = [p[0] for p in plans]
         tree, nodes = self._subtree(max(row_nodes))
         template_tokens = full[:, torch.cat([torch.zeros(1, dtype=torch.long), nodes])]
-        chains = self._cut(chains, template_tokens, tree, plans)
-        return replace(build_draft(template_tokens, tree, nodes, chains, matches, row_nodes), template_draft=full)
+        batch = build_draft(template_tokens, tree, nodes, chains, matches, row_nodes, [p[1] for p in plans])
+        return replace(batch, template_draft=full)
 
     def _plan(self, full: torch.Tensor, chains: list[list[int]], matches: list[int]) -> list[tuple[int, int]]:
         """Per row, (template nodes, branch cap): the cost-aware budget (tr/budget.py)."""
@@ -159,26 +159,6 @@ class Drafter:
                 tree = compile_tree(paths, name=f"{self.template.name if self.template else 'none'}[{n}]")
             self._subtrees[n] = (tree, torch.tensor(nodes, dtype=torch.long))
         return self._subtrees[n]
-
-    @staticmethod
-    def _cut(chains: list[list[int]], template_tokens: torch.Tensor, tree: CompiledTree,
-             plans: list[tuple[int, int]]) -> list[list[int]]:
-        """Row r's branch keeps what merges into its verified template nodes (the first
-        ``plans[r][0]``) plus at most ``plans[r][1]`` tokens more."""
-        if not any(chains):
-            return chains
-        rows = template_tokens.tolist()
-        out = []
-        for r, chain in enumerate(chains):
-            limit, cap = plans[r]
-            node, m = 0, 0
-            for tok in chain:
-                nxt = next((c for c in tree.children[node] if c <= limit and rows[r][c] == tok), None)
-                if nxt is None:
-                    break
-                node, m = nxt, m + 1
-            out.append(chain[: m + cap])
-        return out
 
     # ---- learning from the verification -----------------------------------------------------
     def observe(self, batch: DraftBatch, acceptance: Acceptance, seconds: float | None) -> None:
