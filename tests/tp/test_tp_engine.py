@@ -50,6 +50,7 @@ def test_tiny_model_matches_unsharded(ray_tp, tokenizer, world, budget):
 
         if world == 2:  # a dead worker: the health check and the next step fail, naming it
             ray.kill(runner.workers[1])
+            _wait_until_dead(runner.workers[1])  # ray.kill is asynchronous: a ping can still be answered
             with pytest.raises(TPWorkerError, match=r"tr_tp_worker:.*:1 is dead"):
                 runner.check_health()
             engine.add_request(PROMPTS[0], SamplingParams(max_tokens=4), request_id="after-kill")
@@ -75,6 +76,21 @@ def test_tiny_model_matches_unsharded(ray_tp, tokenizer, world, budget):
             engine.step()
     finally:
         runner.shutdown()
+
+
+def _wait_until_dead(actor, timeout_s: float = 30.0) -> None:
+    import ray
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            ray.get(actor.ping.remote(), timeout=5)
+        except ray.exceptions.RayActorError:
+            return
+        except ray.exceptions.GetTimeoutError:
+            pass
+        time.sleep(0.1)
+    raise AssertionError("the killed worker still answers pings")
 
 
 def test_smollm2_tp3_matches_single_process(ray_tp, loaded):
