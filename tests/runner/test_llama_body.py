@@ -81,3 +81,40 @@ def test_packed_verify_matches_the_padded_forward_on_real_positions(tokenizer, m
     padded, packed = out[True], out[False]
     assert torch.equal(packed[0], padded[0]) and torch.equal(packed[1, :2], padded[1, :2])
     assert not packed[1, 2:].any()
+
+
+def test_runs_of_consecutive_rows_match_the_gathered_forward(tokenizer, monkeypatch):
+    """Ascending rows with a gap attend per run of consecutive cache rows, over views of the
+    buffers: the logits equal transformers' forward over the gathered rows bit for bit."""
+    from tests.tiny_model import tiny_loaded
+
+    model = tiny_loaded(tokenizer, seed=7, init_range=0.1).model
+    rows = torch.tensor([0, 2, 3])
+    prompts = [[5, 17, 99, 3, 250, 8, 41, 9, 12, 30], [7, 7, 300], [1, 2, 3, 4, 5]]
+    tokens = torch.tensor([[7, 9, 11], [21, 22, 23], [4, 5, -1]])
+    depths = torch.tensor([[0, 1, 1], [0, 1, 2], [0, 1, 1]])
+    trees = torch.tensor([[[1, 0, 0], [1, 1, 0], [1, 0, 1]], [[1, 0, 0], [1, 1, 0], [1, 1, 1]],
+                          [[1, 0, 0], [1, 1, 0], [1, 0, 1]]], dtype=torch.bool)
+    out = {}
+    for disable in (True, False):
+        monkeypatch.setattr("tr_serve.runner.model_runner.body_for",
+                            (lambda model: None) if disable else llama_body.body_for)
+        runner = ModelRunner(model, 4, 48)
+        last, _ = runner.prefill(rows, prompts)
+        verified = runner.verify(rows, tokens, depths, trees, torch.tensor([3, 3, 2]))
+        assert runner.cache.step_runs == [(0, 1, 0, 1), (1, 3, 2, 4)]
+        runner.compact(rows, [torch.tensor([0, 1]), torch.tensor([0]), torch.tensor([0, 1])])
+        again = runner.verify(rows, tokens[:, :1], depths[:, :1], trees[:, :1, :1])
+        out[disable] = (last, verified, again)
+    for want, got in zip(out[True], out[False]):
+        assert torch.equal(got, want)
+
+
+def test_rows_out_of_order_attend_over_a_gathered_copy():
+    from tr_serve.runner.kv_cache import SlotKVCache
+
+    cache = SlotKVCache(1, 4, 16, 1, 2, torch.float32, "cpu")
+    cache.begin_step(torch.tensor([2, 0]), 1)
+    assert cache.step_runs is None
+    cache.begin_step(torch.tensor([0, 1, 3]), 2)
+    assert cache.step_runs == [(0, 2, 0, 2), (2, 3, 3, 4)]

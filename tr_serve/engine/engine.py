@@ -133,7 +133,8 @@ class Engine:
             self._decode_turn = True
             batch = [r for r in batch if r.output_ids]  # only requests whose prompt is complete
         elif self.running:
-            batch = list(self.running)
+            # in cache-row order: consecutive rows attend through a view of the cache, not a copy
+            batch = sorted(self.running, key=lambda r: r.row)
             self._decode(batch)
             self._decode_turn = False
         else:

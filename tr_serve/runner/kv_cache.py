@@ -31,6 +31,15 @@ class SlotLayer(CacheLayerMixin):
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         # key_states: [b, kv_heads, q, head_dim] for the step's rows, in step order
+        self.write(key_states, value_states)
+        o = self.owner
+        if o.step_row_range is not None:  # consecutive rows: a view of the buffers, no gather
+            first, end = o.step_row_range
+            return self.keys[first:end, :, : o.step_kv_len], self.values[first:end, :, : o.step_kv_len]
+        return self.keys[o.step_rows, :, : o.step_kv_len], self.values[o.step_rows, :, : o.step_kv_len]
+
+    def write(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        """Store the step's new entries [b, kv_heads, q, head_dim] at the rows' step slots."""
         o = self.owner
         if o.step_single is not None:  # one row: a slice copy, no index tensors
             row, start, q = o.step_single
@@ -41,10 +50,13 @@ class SlotLayer(CacheLayerMixin):
             v = value_states.transpose(1, 2)
             self.keys[o.step_rows_col, :, o.step_slots] = k
             self.values[o.step_rows_col, :, o.step_slots] = v
-        if o.step_row_range is not None:  # consecutive rows: a view of the buffers, no gather
-            first, end = o.step_row_range
-            return self.keys[first:end, :, : o.step_kv_len], self.values[first:end, :, : o.step_kv_len]
-        return self.keys[o.step_rows, :, : o.step_kv_len], self.values[o.step_rows, :, : o.step_kv_len]
+
+    def run_views(self) -> list[tuple[int, int, torch.Tensor, torch.Tensor]]:
+        """The step's rows as runs of consecutive cache rows: (batch_start, batch_end, keys,
+        values), keys/values [run rows, kv_heads, step_kv_len, head_dim] views of the buffers (no
+        copy). Needs :attr:`SlotKVCache.step_runs`."""
+        kv = self.owner.step_kv_len
+        return [(b0, b1, self.keys[r0:r1, :, :kv], self.values[r0:r1, :, :kv]) for b0, b1, r0, r1 in self.owner.step_runs]
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         return self.owner.step_kv_len, 0
@@ -87,6 +99,7 @@ class SlotKVCache(Cache):
         self.step_rows_col = self.step_rows[:, None]
         self.step_slots = (starts[:, None] + torch.arange(q)).to(self.device)  # [b, q]
         self.step_kv_len = int(starts.max()) + q
+        self.step_runs = _runs(rows.tolist())
         return starts
 
     def compact(self, rows: torch.Tensor, keep_offsets: list[torch.Tensor]) -> None:
@@ -110,3 +123,20 @@ class SlotKVCache(Cache):
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return int(self.lens.max())
+
+
+def _runs(rows: list[int]) -> list[tuple[int, int, int, int]] | None:
+    """(batch_start, batch_end, first_row, end_row) per run of consecutive cache rows, or None when
+    ``rows`` is not ascending (then attention needs a gathered copy of the rows).
+
+    Why: gathering the step's rows out of the cache copies every layer's K and V over the whole
+    context; at 16 rows with one gap that was about half of a plain decode step. A run is a view.
+    Every run attends over the step's kv length, as the gathered batch would: the same arithmetic."""
+    if any(b <= a for a, b in zip(rows, rows[1:])):
+        return None
+    out, b0 = [], 0
+    for i in range(1, len(rows) + 1):
+        if i == len(rows) or rows[i] != rows[i - 1] + 1:
+            out.append((b0, i, rows[b0], rows[i - 1] + 1))
+            b0 = i
+    return out

@@ -79,9 +79,7 @@ def _build(model) -> Callable | None:
             q, k = rotary(q, k, cos, sin)
             if real is not None:
                 q, k, v = (_unpack(y, real, b, s) for y in (q, k, v))
-            k, v = cache.layers[i].update(k, v, i)
-            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=attn.scaling,
-                                               enable_gqa=q.shape[1] != k.shape[1])
+            o = _attend(cache, i, q, k, v, mask, attn.scaling)
             o = o.transpose(1, 2).reshape(b, s, -1)
             if real is not None:
                 o = o.reshape(b * s, -1)[real][None]
@@ -95,6 +93,25 @@ def _build(model) -> Callable | None:
         return out.view(b, s, -1)
 
     return body
+
+
+def _attend(cache, i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+            scale: float) -> torch.Tensor:
+    """Write the step's K/V into layer i of the cache and attend: [b, heads, s, d].
+
+    On the slot cache with ascending rows, one attention call per run of consecutive cache rows
+    over views of the buffers; otherwise over the cache's gathered rows. Either way the same
+    arithmetic as transformers' forward over the gathered rows."""
+    gqa = q.shape[1] != k.shape[1]
+    layer = cache.layers[i]
+    if getattr(cache, "step_runs", None) is None:
+        k, v = layer.update(k, v, i)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
+    layer.write(k, v)
+    outs = [F.scaled_dot_product_attention(q[b0:b1], keys, values, attn_mask=mask[b0:b1],
+                                           scale=scale, enable_gqa=gqa)
+            for b0, b1, keys, values in layer.run_views()]
+    return outs[0] if len(outs) == 1 else torch.cat(outs)
 
 
 def _unpack(y: torch.Tensor, real: torch.Tensor, b: int, s: int) -> torch.Tensor:
