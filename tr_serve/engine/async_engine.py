@@ -3,6 +3,8 @@ request is waiting or running; callers get an async iterator of outputs per requ
 
 The engine itself is single-threaded: callers never touch it directly, they post commands (add,
 abort) that the step thread applies between steps, so requests join and leave between steps.
+``AsyncEngine`` is an ``EngineHandle`` (engine/core.py) over the ``EngineCore`` it steps: the
+server and the fleet sync use it through that contract only.
 """
 
 from __future__ import annotations
@@ -12,12 +14,18 @@ import logging
 import queue
 import threading
 from dataclasses import dataclass
-from typing import AsyncIterator, Callable
+from typing import TYPE_CHECKING, Any, AsyncIterator, Callable
 
-from tr_serve.engine.engine import Engine, check_prompt
+from tr_serve.engine.config import EngineConfig
+from tr_serve.engine.core import EngineCore
+from tr_serve.engine.engine import check_prompt
 from tr_serve.engine.openmp import release_thread_openmp_pool
 from tr_serve.engine.request import RequestOutput
+from tr_serve.engine.scheduler import EngineLoad
 from tr_serve.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from tr_serve.tr.matrix import AdjacencyMatrix
 
 logger = logging.getLogger(__name__)
 
@@ -42,8 +50,10 @@ def _settle(future: asyncio.Future, result, error) -> None:
 
 
 class AsyncEngine:
-    def __init__(self, engine: Engine, on_step: Callable[[Engine], None] | None = None):
-        self.engine = engine
+    def __init__(self, engine: EngineCore, on_step: Callable[[EngineCore], None] | None = None):
+        self.engine = engine  # stepped by this object's thread only
+        self.config: EngineConfig = engine.config
+        self.tokenizer: Any = engine.tokenizer
         self.on_step = on_step  # called on the step thread after each step (metrics, matrix sync)
         self._commands: queue.Queue = queue.Queue()
         self._streams: dict[str, _Stream] = {}
@@ -58,7 +68,7 @@ class AsyncEngine:
     # ---- caller side (any thread with an event loop) -----------------------------------------
     def check_prompt(self, prompt_ids: list[int], params: SamplingParams) -> None:
         """Raise now, in the caller, for a request that can never be served."""
-        check_prompt(prompt_ids, self.engine.config.max_model_len)
+        check_prompt(prompt_ids, self.config.max_model_len)
 
     async def generate(self, prompt_ids: list[int], params: SamplingParams, request_id: str) -> AsyncIterator[RequestOutput]:
         """Yields outputs with the new text/tokens of each step; the last one has ``finished``.
@@ -91,7 +101,7 @@ class AsyncEngine:
         self._commands.put(("abort", request_id))
         self._wake.set()
 
-    def call_between_steps(self, fn: Callable[[Engine], object]) -> "asyncio.Future":
+    def call_between_steps(self, fn: Callable[[EngineCore], object]) -> "asyncio.Future":
         """Run ``fn(engine)`` on the step thread between two steps (e.g. adopt a new matrix);
         the returned future (of the caller's loop) resolves to its result or exception."""
         loop = asyncio.get_running_loop()
@@ -101,28 +111,44 @@ class AsyncEngine:
         return future
 
     def shutdown(self) -> None:
+        """Stop the step thread, then release what the engine holds elsewhere (tensor-parallel
+        workers; an in-process engine can still be stepped by another wrapper)."""
         self._stopped = True
         self._wake.set()
         self._thread.join(timeout=30)
+        self.engine.shutdown()
 
     @property
     def alive(self) -> bool:
         """False once the step loop has died (an error) or was shut down."""
         return self._thread.is_alive() and self.error is None
 
+    def check_health(self) -> None:
+        """Raise once the step loop is gone or the engine reports itself unhealthy."""
+        if not self.alive:
+            reason = f"after an error: {self.error}" if self.error is not None else "(step thread gone)"
+            raise RuntimeError(f"engine stopped {reason}")
+        self.engine.check_health()
+
+    @property
+    def matrix(self) -> "AdjacencyMatrix | None":
+        return self.engine.matrix
+
+    def load(self) -> EngineLoad:
+        return self.engine.load()
+
     @property
     def num_running(self) -> int:
         """Requests holding a KV row (prefilling or decoding)."""
-        return len(self.engine.running) + len(self.engine.prefilling)
+        load = self.load()
+        return load.running + load.prefilling
 
     @property
     def num_waiting(self) -> int:
-        return len(self.engine.waiting)
+        return self.load().waiting
 
     def stats(self) -> dict[str, int]:
-        e = self.engine
-        return {"running": len(e.running), "prefilling": len(e.prefilling), "waiting": len(e.waiting),
-                "kv_rows_used": e.num_rows - len(e.free_rows), "kv_rows": e.num_rows}
+        return self.load().as_dict()
 
     # ---- step thread ------------------------------------------------------------------------
     def _deliver(self, request_id: str, item) -> None:

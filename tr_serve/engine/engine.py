@@ -9,14 +9,15 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections import deque
 from typing import Any, Callable
 
 import torch
 
 from tr_serve.engine.config import EngineConfig
 from tr_serve.engine.detokenizer import IncrementalDetokenizer
-from tr_serve.engine.request import FinishReason, Request, RequestOutput
+from tr_serve.engine.core import RemoteRunner
+from tr_serve.engine.request import Request, RequestOutput
+from tr_serve.engine.scheduler import EngineLoad, PrefillChunk, Scheduler
 from tr_serve.engine.stopping import append_token
 from tr_serve.engine.timing import PhaseTimer
 from tr_serve.model_loader import LoadedModel
@@ -49,6 +50,9 @@ def check_prompt(prompt_ids: list[int], max_model_len: int) -> None:
 
 
 class Engine:
+    """The ``EngineCore`` (engine/core.py) of a replica: the scheduler (engine/scheduler.py) decides
+    what each step runs; this class runs it through the model runner and the TR pipeline."""
+
     def __init__(self, loaded: LoadedModel, config: EngineConfig, matrix: AdjacencyMatrix | None = None,
                  timer: PhaseTimer | None = None, runner: Callable[[int], tuple[Any, int]] | None = None):
         """``runner``: None runs the model in this process (a ``ModelRunner`` over
@@ -86,94 +90,85 @@ class Engine:
                 max_q = self.num_rows * (scratch + 1)
                 latency = StepLatency(load_or_measure(self.runner, loaded.model_id, max_q))
             self.drafter = Drafter(self.spec, template, self.matrix, latency)
-        self.waiting: deque[Request] = deque()
-        self.prefilling: list[Request] = []  # admitted, prompt not yet fully in the KV cache
-        self.running: list[Request] = []  # decoding
-        self._decode_turn = False
-        self.free_rows: list[int] = list(range(self.num_rows))
-        self._by_id: dict[str, Request] = {}
+        self.scheduler = Scheduler(self.num_rows, config.max_prefill_tokens)
+
+    # ---- the scheduler's state, for tests and tools ----------------------------------------------
+    @property
+    def waiting(self):
+        return self.scheduler.waiting
+
+    @property
+    def prefilling(self) -> list[Request]:
+        return self.scheduler.prefilling
+
+    @property
+    def running(self) -> list[Request]:
+        return self.scheduler.running
+
+    @property
+    def free_rows(self) -> list[int]:
+        return self.scheduler.free_rows
+
+    # ---- EngineHandle ---------------------------------------------------------------------------
+    def load(self) -> EngineLoad:
+        return self.scheduler.load()
+
+    def check_health(self) -> None:
+        """A runner with workers elsewhere (tensor parallel) is pinged; an in-process one is fine."""
+        if isinstance(self.runner, RemoteRunner):
+            self.runner.check_health()
+
+    def shutdown(self) -> None:
+        if isinstance(self.runner, RemoteRunner):
+            self.runner.shutdown()
 
     # ---- requests -------------------------------------------------------------------------
     def add_request(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None) -> str:
         check_prompt(prompt_ids, self.config.max_model_len)
-        request_id = request_id or f"req-{next(_ids)}"
-        if request_id in self._by_id:
-            raise ValueError(f"request id {request_id!r} is already in use")
-        req = Request(request_id, list(prompt_ids), params, IncrementalDetokenizer(self.tokenizer))
+        req = Request(request_id or f"req-{next(_ids)}", list(prompt_ids), params,
+                      IncrementalDetokenizer(self.tokenizer))
+        self.scheduler.add(req)  # ValueError for an id in use, before anything else is made for it
         if not params.greedy:
             req.generator = torch.Generator(device=self.runner.device)  # multinomial needs it on the logits' device
             req.generator.manual_seed(params.seed if params.seed is not None else torch.seed())
         req.stats.prompt_tokens = len(prompt_ids)
-        self.waiting.append(req)
-        self._by_id[request_id] = req
-        return request_id
+        return req.request_id
 
     def abort(self, request_id: str) -> None:
-        req = self._by_id.get(request_id)
-        if req is None or req.finished:
-            return
-        req.finish_reason = FinishReason.ABORT
-        if req in self.waiting:
-            self.waiting.remove(req)
-            self._by_id.pop(request_id, None)
-        # a running request is retired at the next step
+        self.scheduler.abort(request_id)  # a request holding a row is retired at the next step
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.prefilling or self.running)
+        return self.scheduler.has_unfinished()
 
     # ---- one step -------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Admit what fits, then run one forward: a prefill chunk, or one tree per decoding row.
-        While prompts are being prefilled, prefill and decode steps alternate, so running
-        requests keep streaming behind a long prompt."""
-        self._retire([r for r in self.prefilling + self.running if r.finished])
-        self._admit()
-        if self.prefilling and not (self.running and self._decode_turn):
-            batch = self._prefill_chunk()
-            self._decode_turn = True
+        """Admit what fits, then run one forward: a prefill chunk, or one tree per decoding row
+        (the scheduler alternates them while prompts are being prefilled)."""
+        self._retire(self.scheduler.finished_in_rows())
+        for req in self.scheduler.admit():
+            if self.drafter is not None:
+                req.context = self.drafter.new_context_index()
+        if self.scheduler.prefill_turn():
+            batch = self._prefill(self.scheduler.prefill_chunks())
             batch = [r for r in batch if r.output_ids]  # only requests whose prompt is complete
-        elif self.running:
-            # in cache-row order: consecutive rows attend through a view of the cache, not a copy
-            batch = sorted(self.running, key=lambda r: r.row)
-            self._decode(batch)
-            self._decode_turn = False
         else:
-            return []
+            batch = self.scheduler.decode_batch()
+            if not batch:
+                return []
+            self._decode(batch)
         outputs = [r.take_output() for r in batch]
         self._retire([r for r in batch if r.finished])
         return outputs
 
-    def _admit(self) -> None:
-        while self.waiting and self.free_rows:
-            req = self.waiting.popleft()
-            req.row = self.free_rows.pop(0)
-            if self.drafter is not None:
-                req.context = self.drafter.new_context_index()
-            self.prefilling.append(req)
-
     def _retire(self, done: list[Request]) -> None:
-        for req in done:
-            for queue in (self.prefilling, self.running):
-                if req in queue:
-                    queue.remove(req)
-                    self.runner.free(req.row)
-                    self.free_rows.append(req.row)
-                    self.free_rows.sort()
-            self._by_id.pop(req.request_id, None)
+        for row in self.scheduler.retire(done):
+            self.runner.free(row)
 
-    def _prefill_chunk(self) -> list[Request]:
-        """One ragged forward over the next prompt chunk of as many prefilling requests as the
-        ``max_prefill_tokens`` budget allows; requests whose prompt is complete get their first
-        token and start decoding."""
-        budget = self.config.max_prefill_tokens
-        batch, chunks = [], []
-        for req in self.prefilling:
-            if budget <= 0:
-                break
-            chunk = req.prompt_ids[req.num_prefilled : req.num_prefilled + budget]
-            batch.append(req)
-            chunks.append(chunk)
-            budget -= len(chunk)
+    def _prefill(self, plan: list[PrefillChunk]) -> list[Request]:
+        """One ragged forward over the chunks the scheduler planned; requests whose prompt is
+        complete get their first token and start decoding."""
+        batch = [c.request for c in plan]
+        chunks = [c.tokens for c in plan]
         rows = torch.tensor([r.row for r in batch])
         # prompt seeding runs the LM head over every prompt position: worth it only while the matrix
         # drafts at least one verified node per step on average. Measured at 8 clients, where "auto"
@@ -194,8 +189,7 @@ class Engine:
                 done.append((req, last_logits[i]))
         with self.timer.phase("postprocess"):
             for req, logits in done:
-                self.prefilling.remove(req)
-                self.running.append(req)
+                self.scheduler.start_decoding(req)
                 append_token(req, self._first_token(req, logits), self.eos_ids, self._context_full(req))
         return batch
 

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import Enum
-
-import torch
+from typing import TYPE_CHECKING
 
 from tr_serve.engine.detokenizer import IncrementalDetokenizer
 from tr_serve.sampling_params import SamplingParams
 from tr_serve.tr.context_index import ContextIndex
+
+if TYPE_CHECKING:  # the scheduler imports this file and stays torch-free
+    import torch
 
 
 class FinishReason(str, Enum):
@@ -62,7 +64,7 @@ class Request:
     num_prefilled: int = 0  # prompt tokens already written to the KV cache
     finish_reason: FinishReason | None = None
     text: str = ""  # output text, cut at a stop string
-    generator: torch.Generator | None = None  # per-request RNG of a sampled request
+    generator: "torch.Generator | None" = None  # per-request RNG of a sampled request
     context: ContextIndex | None = None  # prompt + output index of the context branch (tr/context_index.py)
     _sent_chars: int = 0
     _sent_tokens: int = 0

@@ -60,7 +60,7 @@ class MatrixSync:
     def __init__(self, engine, config: FleetSyncConfig, *, model_id: str, tokenizer=None,
                  fingerprint: str | None = None, replica_id: str | None = None):
         self.engine = engine
-        core = getattr(engine, "engine", engine)
+        core = engine  # an EngineHandle (tr_serve/engine/core.py): AsyncEngine or Engine
         matrix = core.matrix
         self.vocab_size, self.k = int(matrix.vocab_size), int(matrix.k)
         self.config = config
@@ -301,7 +301,7 @@ class MatrixSync:
 
     # ---- helpers ----------------------------------------------------------------------------------
     def _core(self):
-        return getattr(self.engine, "engine", self.engine)
+        return self.engine
 
     async def _between_steps(self, fn: Callable) -> Any:
         call = getattr(self.engine, "call_between_steps", None)

@@ -68,8 +68,8 @@ class LLMServer:
 
         # keyed by the weights (EngineConfig.model), not the served name; None when disabled. Never on
         # the token path.
-        self.fleet = await start_fleet_sync(self.engine, self.config.fleet, model_id=engine_config.model,
-                                            tokenizer=self.tokenizer)
+        self.fleet = None if self.engine.matrix is None else await start_fleet_sync(
+            self.engine, self.config.fleet, model_id=engine_config.model, tokenizer=self.tokenizer)
         self.num_finished = 0  # requests that ran to a finish_reason
         self.num_aborted = 0  # requests whose caller left first (client disconnect, cancellation)
         logger.info("tr_serve: %s loaded as %r in %.1f s (tree %s, max_num_seqs %d, max_model_len %d, device %s)",
@@ -78,13 +78,7 @@ class LLMServer:
 
     # ---- Serve hooks --------------------------------------------------------------------------
     def check_health(self) -> None:
-        if not self.engine.alive:
-            reason = f"after an error: {self.engine.error}" if self.engine.error is not None else "(step thread gone)"
-            raise RuntimeError(f"engine stopped {reason}")
-        runner = getattr(self.engine.engine, "runner", None)
-        runner_health = getattr(runner, "check_health", None)  # TPModelRunner: pings every worker
-        if runner_health is not None:
-            runner_health()
+        self.engine.check_health()  # the step thread, then the engine (tensor parallel: pings every worker)
 
     async def __del__(self) -> None:
         """Serve awaits this at shutdown: a last push of the matrix rows, then the engine stops."""
@@ -93,10 +87,7 @@ class LLMServer:
             await fleet.stop(final_push=True, timeout_s=5.0)
         engine = getattr(self, "engine", None)
         if engine is not None:
-            engine.shutdown()
-            release = getattr(getattr(engine.engine, "runner", None), "shutdown", None)  # TPModelRunner: its workers
-            if release is not None:
-                release()
+            engine.shutdown()  # the step thread, then what the engine holds elsewhere (tensor-parallel workers)
 
     # ---- methods called through the handle ------------------------------------------------------
     async def ping(self) -> dict[str, Any]:

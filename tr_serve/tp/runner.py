@@ -368,8 +368,8 @@ def _tensor_bytes(obj) -> int:
 
 def tp_engine(model, config: EngineConfig, tensor_parallel_size: int, *, matrix=None, timer=None, **runner_options):
     """The replica's ordinary ``Engine`` (``matrix``, ``timer`` as there) over a ``TPModelRunner``
-    (``runner_options`` go to it). The runner is ``engine.runner``; ``engine.runner.shutdown()``
-    releases the workers."""
+    (``runner_options`` go to it). The runner is ``engine.runner``; ``engine.shutdown()`` (the
+    ``EngineCore`` contract, engine/core.py) releases the workers."""
     from tr_serve.engine.engine import Engine
 
     runner = TPModelRunner(model, config, tensor_parallel_size, **runner_options)

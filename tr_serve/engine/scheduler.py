@@ -1,0 +1,142 @@
+"""Which requests hold a KV-cache row, and what the next engine step runs (no torch here).
+
+nano-vllm's shape: requests wait in arrival order, are admitted to a free cache row, prefill their
+prompt in chunks, decode, and are retired (their row freed) once finished. A step is either one
+prefill chunk or one decode step over every running request; while prompts are being prefilled,
+the two alternate, so running requests keep streaming behind a long prompt.
+
+The engine runs the model over the batches this returns and reports back ``start_decoding`` (a
+prompt is complete) and ``retire`` (requests that finished); freeing a row in the model runner
+stays the engine's job: ``retire`` returns the rows it freed.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from tr_serve.engine.request import FinishReason
+
+if TYPE_CHECKING:
+    from tr_serve.engine.request import Request
+
+
+@dataclass(frozen=True)
+class PrefillChunk:
+    """The next ``tokens`` of ``request``'s prompt to write to its cache row."""
+
+    request: "Request"
+    tokens: list[int]
+
+
+class Scheduler:
+    """Request queues and cache rows. ``free_rows`` stays sorted: the lowest free row goes first,
+    which keeps the running rows packed at the start of the cache."""
+
+    def __init__(self, num_rows: int, max_prefill_tokens: int):
+        self.num_rows = num_rows
+        self.max_prefill_tokens = max_prefill_tokens
+        self.waiting: deque[Request] = deque()
+        self.prefilling: list[Request] = []  # admitted, prompt not yet fully in the KV cache
+        self.running: list[Request] = []  # decoding
+        self.free_rows: list[int] = list(range(num_rows))
+        self._decode_turn = False
+        self._by_id: dict[str, Request] = {}
+
+    # ---- requests -----------------------------------------------------------------------------
+    def add(self, req: "Request") -> None:
+        if req.request_id in self._by_id:
+            raise ValueError(f"request id {req.request_id!r} is already in use")
+        self.waiting.append(req)
+        self._by_id[req.request_id] = req
+
+    def abort(self, request_id: str) -> None:
+        """A waiting request leaves at once; one holding a row is retired at the next step."""
+        req = self._by_id.get(request_id)
+        if req is None or req.finished:
+            return
+        req.finish_reason = FinishReason.ABORT
+        if req in self.waiting:
+            self.waiting.remove(req)
+            self._by_id.pop(request_id, None)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.prefilling or self.running)
+
+    # ---- a step -------------------------------------------------------------------------------
+    def finished_in_rows(self) -> list["Request"]:
+        """Requests holding a row that finished outside a step (aborted)."""
+        return [r for r in self.prefilling + self.running if r.finished]
+
+    def admit(self) -> list["Request"]:
+        """Waiting requests moved to a free row, in arrival order; returns them."""
+        admitted = []
+        while self.waiting and self.free_rows:
+            req = self.waiting.popleft()
+            req.row = self.free_rows.pop(0)
+            self.prefilling.append(req)
+            admitted.append(req)
+        return admitted
+
+    def prefill_turn(self) -> bool:
+        """True when this step prefills; decode and prefill alternate while both have work."""
+        return bool(self.prefilling) and not (self.running and self._decode_turn)
+
+    def prefill_chunks(self) -> list[PrefillChunk]:
+        """The next prompt chunk of as many prefilling requests as ``max_prefill_tokens`` allows."""
+        self._decode_turn = True
+        budget = self.max_prefill_tokens
+        chunks = []
+        for req in self.prefilling:
+            if budget <= 0:
+                break
+            tokens = req.prompt_ids[req.num_prefilled : req.num_prefilled + budget]
+            chunks.append(PrefillChunk(req, tokens))
+            budget -= len(tokens)
+        return chunks
+
+    def decode_batch(self) -> list["Request"]:
+        """Every running request, in cache-row order (consecutive rows attend through a view of
+        the cache, not a copy); empty when nothing runs (the step does nothing)."""
+        if self.running:
+            self._decode_turn = False
+        return sorted(self.running, key=lambda r: r.row)
+
+    def start_decoding(self, req: "Request") -> None:
+        """``req``'s prompt is all in the cache."""
+        self.prefilling.remove(req)
+        self.running.append(req)
+
+    def retire(self, done: list["Request"]) -> list[int]:
+        """Forget ``done``; returns the cache rows it freed (in ``done``'s order)."""
+        freed = []
+        for req in done:
+            for queue in (self.prefilling, self.running):
+                if req in queue:
+                    queue.remove(req)
+                    freed.append(req.row)
+                    self.free_rows.append(req.row)
+                    self.free_rows.sort()
+            self._by_id.pop(req.request_id, None)
+        return freed
+
+    def load(self) -> "EngineLoad":
+        return EngineLoad(running=len(self.running), prefilling=len(self.prefilling), waiting=len(self.waiting),
+                          kv_rows_used=self.num_rows - len(self.free_rows), kv_rows=self.num_rows)
+
+
+@dataclass(frozen=True)
+class EngineLoad:
+    """What the engine holds now: ``running`` decoding, ``prefilling`` (both hold a KV row),
+    ``waiting`` for a row."""
+
+    running: int
+    prefilling: int
+    waiting: int
+    kv_rows_used: int
+    kv_rows: int
+
+    def as_dict(self) -> dict[str, int]:
+        return {"running": self.running, "prefilling": self.prefilling, "waiting": self.waiting,
+                "kv_rows_used": self.kv_rows_used, "kv_rows": self.kv_rows}
