@@ -2,32 +2,17 @@
 
 from __future__ import annotations
 
-from typing import Sequence, Union
+from typing import Sequence
 
 from tr_serve.engine.config import EngineConfig
 from tr_serve.engine.engine import Engine
+from tr_serve.engine.prompt import ChatMessages, Prompt, encode_prompt  # re-exported: older imports read them here
 from tr_serve.engine.request import RequestOutput
 from tr_serve.model_loader import LoadedModel, load_model
 from tr_serve.sampling_params import SamplingParams
 from tr_serve.tr.tree_spec import DEFAULT_TREE_SETTING
 
-ChatMessages = list[dict[str, str]]
-Prompt = Union[str, ChatMessages, list[int]]
-
-
-def encode_prompt(tokenizer, prompt: Prompt) -> list[int]:
-    """Text is tokenized as is; a list of ``{"role", "content"}`` messages goes through the model's
-    chat template with the assistant turn opened; a list of ints is taken as token ids."""
-    if isinstance(prompt, str):
-        return list(tokenizer(prompt, add_special_tokens=True)["input_ids"])
-    if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
-        return list(prompt)
-    if isinstance(prompt, list) and all(isinstance(m, dict) for m in prompt):
-        ids = tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True, return_dict=False)
-        if isinstance(ids, dict) or hasattr(ids, "keys"):
-            ids = ids["input_ids"]
-        return list(ids)
-    raise TypeError("a prompt is a string, a list of chat messages, or a list of token ids")
+__all__ = ["LLM", "ChatMessages", "Prompt", "encode_prompt"]
 
 
 class LLM:

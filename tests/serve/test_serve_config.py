@@ -148,17 +148,22 @@ def test_engine_load_from_async_engine_stats():
 def test_health_check_fails_once_the_engine_is_not_alive():
     from types import SimpleNamespace
 
+    from tr_serve.engine.async_engine import AsyncEngine
     from tr_serve.serve.server import LLMServer
 
-    server = LLMServer.__new__(LLMServer)  # no model: only the health check's use of the engine API
-    shutdowns = []
-    server.engine = SimpleNamespace(alive=True, error=None, engine=SimpleNamespace(), shutdown=lambda: shutdowns.append(1))
+    server = LLMServer.__new__(LLMServer)  # no model: only the health check's use of the engine contract
+    pings = []
+    core = SimpleNamespace(config=None, tokenizer=None, matrix=None, has_unfinished=lambda: False,
+                           check_health=lambda: pings.append(1), shutdown=lambda: None)  # an EngineCore stand-in
+    server.engine = AsyncEngine(core)
     server.check_health()
-    server.engine = SimpleNamespace(alive=False, error=None, engine=SimpleNamespace(), shutdown=lambda: shutdowns.append(1))
-    with pytest.raises(RuntimeError, match="step thread gone"):
-        server.check_health()
-    server.engine = SimpleNamespace(alive=False, error=ValueError("boom"), engine=SimpleNamespace(), shutdown=lambda: shutdowns.append(1))
+    assert pings == [1]  # the engine itself is asked too (tensor parallel: its workers)
+    server.engine.error = ValueError("boom")
     with pytest.raises(RuntimeError, match="boom"):
+        server.check_health()
+    server.engine.error = None
+    server.engine.shutdown()
+    with pytest.raises(RuntimeError, match="step thread gone"):
         server.check_health()
 
 

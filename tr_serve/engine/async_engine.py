@@ -18,8 +18,8 @@ from typing import TYPE_CHECKING, Any, AsyncIterator, Callable
 
 from tr_serve.engine.config import EngineConfig
 from tr_serve.engine.core import EngineCore
-from tr_serve.engine.engine import check_prompt
 from tr_serve.engine.openmp import release_thread_openmp_pool
+from tr_serve.engine.prompt import check_prompt
 from tr_serve.engine.request import RequestOutput
 from tr_serve.engine.scheduler import EngineLoad
 from tr_serve.sampling_params import SamplingParams

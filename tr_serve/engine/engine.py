@@ -15,6 +15,8 @@ import torch
 
 from tr_serve.engine.config import EngineConfig
 from tr_serve.engine.detokenizer import IncrementalDetokenizer
+from tr_serve.engine.errors import PromptTooLongError
+from tr_serve.engine.prompt import check_prompt
 from tr_serve.engine.core import RemoteRunner
 from tr_serve.engine.request import Request, RequestOutput
 from tr_serve.engine.scheduler import EngineLoad, PrefillChunk, Scheduler
@@ -35,18 +37,7 @@ from tr_serve.tr.verifier import RowSampling, verify_batch
 
 _ids = itertools.count()
 
-
-class PromptTooLongError(ValueError):
-    """The prompt can never fit in ``max_model_len``."""
-
-
-def check_prompt(prompt_ids: list[int], max_model_len: int) -> None:
-    """Raise for a prompt that can never be served: empty, or leaving no room for one token."""
-    if len(prompt_ids) == 0:
-        raise ValueError("the prompt is empty")
-    if len(prompt_ids) >= max_model_len:
-        raise PromptTooLongError(f"the prompt has {len(prompt_ids)} tokens; max_model_len is {max_model_len} "
-                                 "and at least one token must be generated")
+__all__ = ["Engine", "PromptTooLongError"]  # PromptTooLongError: engine/errors.py, importable from here as before
 
 
 class Engine:

@@ -261,9 +261,17 @@ class CompletionRequest(_SamplingFields):
             return len(p)
         return sum(len(x) if isinstance(x, (str, list)) else 1 for x in p)
 
+    def prompt_input(self) -> Union[str, list[int], APIError]:
+        """What the tokenizer takes (``encode_prompt``): text or token ids."""
+        return self.single_prompt()
+
     @property
     def prompt_param(self) -> str:
         return "prompt"
+
+    @property
+    def tokenize_failure(self) -> str:
+        return "could not tokenize the prompt"
 
     @property
     def max_tokens_param(self) -> str:
@@ -320,9 +328,17 @@ class ChatCompletionRequest(_SamplingFields):
     def prompt_chars(self) -> int:
         return sum(len(m.text()) + len(m.name or "") for m in self.messages)
 
+    def prompt_input(self) -> Union[list[dict[str, str]], APIError]:
+        """What the tokenizer takes (``encode_prompt``): the messages for the chat template."""
+        return self.chat_messages()
+
     @property
     def prompt_param(self) -> str:
         return "messages"
+
+    @property
+    def tokenize_failure(self) -> str:
+        return "the messages do not fit the model's chat template"
 
     @property
     def max_tokens_param(self) -> str:

@@ -20,14 +20,14 @@ from contextlib import aclosing
 from typing import Any, AsyncIterator, Union
 
 from tr_serve.serve.config import TRServeConfig
+from tr_serve.serve.prepare import OpenAIRequest, PreparedRequest, prepare_request
 from tr_serve.serve.protocol import (APIError, ChatCompletionRequest, CompletionRequest, bad_request, now,
-                                     echo, prompt_too_long, usage)
+                                     prompt_too_long)
+from tr_serve.serve.responses import responses_for
 
 logger = logging.getLogger("ray.serve")
 
 ACCEPTED = "tr_serve:accepted"  # first item of every request generator: a live replica has it
-_GREEDY_EPS = 1e-5
-_SAMPLING_FIELDS = ("max_tokens", "stop", "temperature", "top_p", "top_k", "seed", "ignore_eos")
 
 
 class LLMServer:
@@ -114,101 +114,31 @@ class LLMServer:
     async def completions(self, request: CompletionRequest, request_id: str) -> AsyncIterator:
         """``ACCEPTED``, then the chunks (``request.stream``) or the full response, or an APIError."""
         yield ACCEPTED
-        async with aclosing(self._respond(request, request_id, chat=False)) as items:
+        async with aclosing(self._respond(request, request_id)) as items:
             async for item in items:
                 yield item
 
     async def chat(self, request: ChatCompletionRequest, request_id: str) -> AsyncIterator:
         yield ACCEPTED
-        async with aclosing(self._respond(request, request_id, chat=True)) as items:
+        async with aclosing(self._respond(request, request_id)) as items:
             async for item in items:
                 yield item
 
-    async def _respond(self, request, request_id: str, chat: bool) -> AsyncIterator:
+    async def _respond(self, request: OpenAIRequest, request_id: str) -> AsyncIterator:
         if request.stream:
-            async with aclosing(self._stream(request, request_id, chat)) as items:
+            async with aclosing(self._stream(request, request_id)) as items:
                 async for item in items:
                     yield item
         else:
-            yield await self._full(request, request_id, chat)
+            yield await self._full(request, request_id)
 
-    async def _prepare_off_loop(self, request, chat: bool):
-        """``_prepare`` in a worker thread: tokenizing (up to ``max_prompt_chars`` characters) never
-        holds up the event loop that streams the other requests."""
+    async def _prepare_off_loop(self, request: OpenAIRequest) -> Union[PreparedRequest, APIError]:
+        """``prepare_request`` in a worker thread: tokenizing (up to ``max_prompt_chars`` characters)
+        never holds up the event loop that streams the other requests."""
         chars = request.prompt_chars()
         if chars > self.max_prompt_chars:
             return prompt_too_long(chars, self.max_prompt_chars, request.prompt_param)
-        return await asyncio.to_thread(self._prepare, request, chat)
-
-    # ---- request -> engine --------------------------------------------------------------------
-    def _prepare(self, request, chat: bool):
-        """Validate and tokenize: (prompt_ids, SamplingParams) or an APIError."""
-        from tr_serve.llm import encode_prompt
-        from tr_serve.sampling_params import SamplingParams
-
-        err = request.unsupported()
-        if err is not None:
-            return err
-        if chat:
-            prompt_param = "messages"
-            messages = request.chat_messages()
-            if isinstance(messages, APIError):
-                return messages
-            try:
-                ids = encode_prompt(self.tokenizer, messages)
-            except Exception as e:  # jinja TemplateError and friends: the messages do not fit the template
-                return bad_request(f"the messages do not fit the model's chat template: {echo(e, 300)}", "messages")
-        else:
-            prompt_param = "prompt"
-            prompt = request.single_prompt()
-            if isinstance(prompt, APIError):
-                return prompt
-            if isinstance(prompt, list):
-                bad = [t for t in prompt if not 0 <= t < self.vocab_size]
-                if bad:
-                    return bad_request(f"prompt token id {bad[0]} is outside the vocabulary (0..{self.vocab_size - 1})",
-                                       "prompt")
-            try:
-                ids = encode_prompt(self.tokenizer, prompt)
-            except Exception as e:
-                return bad_request(f"could not tokenize the prompt: {echo(e, 300)}", "prompt")
-        n, limit = len(ids), self.max_model_len
-        if n == 0:
-            return bad_request("the prompt is empty", prompt_param)
-        if n >= limit:
-            return bad_request(f"the prompt has {n} tokens; this model's maximum context length is {limit} tokens "
-                               "and at least one token must be generated", prompt_param, "context_length_exceeded")
-        max_tokens = request.requested_max_tokens()
-        if max_tokens is None:
-            max_tokens = limit - n
-        elif n + max_tokens > limit:
-            param = request.max_tokens_param
-            return bad_request(f"this model's maximum context length is {limit} tokens; the prompt has {n} tokens "
-                               f"and {param} is {max_tokens} ({n + max_tokens} in all): lower {param} or shorten "
-                               "the prompt", param, "context_length_exceeded")
-        top_k = request.top_k if request.top_k not in (None, -1) else 0
-        if top_k >= self.vocab_size:  # keeps every token: the same as off
-            top_k = 0
-        temperature = 1.0 if request.temperature is None else float(request.temperature)  # OpenAI's default
-        if temperature < _GREEDY_EPS:  # 1e-30 would overflow the logits: treat as greedy, as vLLM does
-            temperature = 0.0
-        try:
-            params = SamplingParams(
-                max_tokens=max_tokens,
-                stop=request.stop if request.stop is not None else (),
-                ignore_eos=request.ignore_eos,
-                temperature=temperature,
-                top_p=1.0 if request.top_p is None else float(request.top_p),
-                top_k=top_k,
-                seed=request.seed,
-            )
-        except ValueError as e:
-            word = str(e).split(" ", 1)[0]
-            param = word if word in _SAMPLING_FIELDS else None
-            if param == "stop" or str(e).startswith("stop strings"):
-                param = "stop"
-            return bad_request(echo(e, 300), param)
-        return ids, params
+        return await asyncio.to_thread(prepare_request, request, self.tokenizer, self.vocab_size, self.max_model_len)
 
     async def _outputs(self, ids, params, request_id: str):
         """Engine outputs with metrics; closing this generator aborts the engine request."""
@@ -267,12 +197,12 @@ class LLMServer:
                 "accepted_per_step": stats.accepted_per_step,  # RequestOutput.stats is a snapshot
                 "tree_nodes_per_step": stats.tree_nodes_per_step, "tree": self.config.tree}
 
-    async def _full(self, request, request_id: str, chat: bool) -> Union[dict, APIError]:
-        prepared = await self._prepare_off_loop(request, chat)
+    async def _full(self, request: OpenAIRequest, request_id: str) -> Union[dict, APIError]:
+        prepared = await self._prepare_off_loop(request)
         if isinstance(prepared, APIError):
             return prepared
-        ids, params = prepared
-        created = now()
+        ids, params = prepared.prompt_ids, prepared.params
+        responses = responses_for(request, request_id, self.model_id, now())
         last = None
         try:
             async with aclosing(self._outputs(ids, params, request_id)) as outputs:
@@ -285,47 +215,26 @@ class LLMServer:
         if last is None:
             return APIError(500, "the engine returned no output", "server_error")
         reason = last.finish_reason.value if last.finish_reason else None
-        if chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": last.text}, "logprobs": None,
-                      "finish_reason": reason}
-            obj = "chat.completion"
-        else:
-            choice = {"index": 0, "text": last.text, "logprobs": None, "finish_reason": reason}
-            obj = "text_completion"
-        return {"id": request_id, "object": obj, "created": created, "model": self.model_id, "choices": [choice],
-                "usage": usage(len(ids), len(last.token_ids)), "tr": self._tr(last.stats)}
+        return responses.full(last.text, reason, len(ids), len(last.token_ids), self._tr(last.stats))
 
-    async def _stream(self, request, request_id: str, chat: bool) -> AsyncIterator[Union[dict, APIError]]:
+    async def _stream(self, request: OpenAIRequest, request_id: str) -> AsyncIterator[Union[dict, APIError]]:
         """Yields an APIError (then stops) or OpenAI chunk dicts. The ingress frames them as SSE."""
-        prepared = await self._prepare_off_loop(request, chat)
+        prepared = await self._prepare_off_loop(request)
         if isinstance(prepared, APIError):
             yield prepared
             return
-        ids, params = prepared
-        created = now()
-        include_usage = request.include_usage
-        obj = "chat.completion.chunk" if chat else "text_completion"
-
-        def chunk(delta_or_text, reason=None, **extra) -> dict:
-            if chat:
-                choice = {"index": 0, "delta": delta_or_text, "logprobs": None, "finish_reason": reason}
-            else:
-                choice = {"index": 0, "text": delta_or_text, "logprobs": None, "finish_reason": reason}
-            out = {"id": request_id, "object": obj, "created": created, "model": self.model_id, "choices": [choice]}
-            if include_usage:
-                out["usage"] = None
-            out.update(extra)
-            return out
-
-        if chat:  # accepted: the role chunk goes out before the prefill
-            yield chunk({"role": "assistant", "content": ""})
+        ids, params = prepared.prompt_ids, prepared.params
+        responses = responses_for(request, request_id, self.model_id, now())
+        first = responses.first_chunk()
+        if first is not None:  # accepted: the chat role chunk goes out before the prefill
+            yield first
         last = None
         try:
             async with aclosing(self._outputs(ids, params, request_id)) as outputs:
                 async for out in outputs:
                     last = out
                     if out.new_text:
-                        yield chunk({"content": out.new_text} if chat else out.new_text)
+                        yield responses.chunk(out.new_text)
         except asyncio.CancelledError:
             raise
         except Exception as e:
@@ -335,7 +244,6 @@ class LLMServer:
             yield APIError(500, "the engine returned no output", "server_error")
             return
         reason = last.finish_reason.value if last.finish_reason else None
-        yield chunk({} if chat else "", reason, tr=self._tr(last.stats))
-        if include_usage:
-            yield {"id": request_id, "object": obj, "created": created, "model": self.model_id, "choices": [],
-                   "usage": usage(len(ids), len(last.token_ids))}
+        yield responses.chunk("", reason, tr=self._tr(last.stats))
+        if responses.include_usage:
+            yield responses.usage_chunk(len(ids), len(last.token_ids))
