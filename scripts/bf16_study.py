@@ -239,7 +239,9 @@ def decode_study(loaded, chosen, warm, trees: Sequence[str], max_new_tokens: int
                  hf: bool = True, k: int = 8, dtype_name: str = "auto"):
     """Engine plain decoding, TR per tree and (``hf``) ``generate``, interleaved per question; returns
     (methods, summary) as ``tr-serve bench`` summarises them, plus ``identical_to_hf`` per method."""
-    from tr_serve.bench.spec_bench import Method, Run, logit_gap_at, run_engine, run_hf, summarize
+    from tr_serve.bench.methods import Method, run_engine, run_hf
+    from tr_serve.bench.records import Run
+    from tr_serve.bench.summary import logit_gap_at, summarize
     from tr_serve.llm import LLM
 
     methods = [Method("baseline", "baseline", tree="none")]
@@ -331,7 +333,8 @@ def run_study(load: Callable[[str], Any], dtypes: Sequence[str] = DEFAULT_DTYPES
     """``load(dtype_name)`` returns a LoadedModel in that dtype; ``encode(tokenizer, text)`` the prompt
     ids of a question (default: the chat template, as the bench). ``decode=False`` measures only the
     interleaved forward latency (``latency_rounds`` rounds; 0 skips it). Returns the JSON-ready result."""
-    from tr_serve.bench.spec_bench import DEFAULT_QUESTIONS, read_questions, select_questions, warmup_questions
+    from tr_serve.bench.questions import DEFAULT_QUESTIONS
+    from tr_serve.bench.records import read_questions, select_questions, warmup_questions
     from tr_serve.llm import encode_prompt
 
     chosen, rest = select_questions(read_questions(questions or DEFAULT_QUESTIONS), per_category)

@@ -74,23 +74,25 @@ SPEC_METRICS = {
 }
 
 
-def _load_records():
-    """``tr_serve/bench/records.py`` (standard library only) by its path, since this venv has no
-    tr_serve: the questions, runs and JSON entries are the same code as ``tr-serve bench``'s."""
-    spec = importlib.util.spec_from_file_location("tr_serve_bench_records", ROOT / "tr_serve" / "bench" / "records.py")
+def _load_by_path(name: str, path: Path):
+    """A tr_serve module that needs only the standard library, by its path, since this venv has no
+    tr_serve: the questions, runs, JSON entries (``tr_serve/bench/records.py``) and argument types
+    (``tr_serve/cli_args.py``) are the same code as ``tr-serve bench``'s."""
+    spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # dataclasses look their module up
     spec.loader.exec_module(module)
     return module
 
 
-_records = _load_records()
+_records = _load_by_path("tr_serve_bench_records", ROOT / "tr_serve" / "bench" / "records.py")
+_cli_args = _load_by_path("tr_serve_cli_args", ROOT / "tr_serve" / "cli_args.py")
 PeerError = _records.BenchError  # bad input (arguments, question file, model folder): one line, exit 2
 Question, Run = _records.Question, _records.Run
 read_questions, select_questions, warmup_questions = (_records.read_questions, _records.select_questions,
                                                       _records.warmup_questions)
 first_mismatch, round_floats = _records.first_mismatch, _records.round_floats
-positive_int, non_negative_int = _records.positive_int, _records.non_negative_int
+positive_int, non_negative_int = _cli_args.positive_int, _cli_args.non_negative_int
 
 
 # ---- prompts: a replica of tr_serve's encoding (tests/bench/test_peer_vllm.py checks it) ----------
@@ -105,7 +107,7 @@ def encode_chat(tokenizer, text: str) -> list[int]:
 
 
 def eos_ids(model_dir: str | os.PathLike, tokenizer) -> list[int]:
-    """tr_serve's stop tokens (``model_loader._eos_ids``): the generation config's EOS, then the
+    """tr_serve's stop tokens (``model_loader.eos_ids``): the generation config's EOS, then the
     tokenizer's."""
     ids: list[int] = []
     d = Path(model_dir)
@@ -154,9 +156,9 @@ def tr_reference(questions_file: str, per_category: int, warmup: int, model_dir:
     bench`` selects and encodes them (tr_serve's own functions; project venv only)."""
     from transformers import AutoTokenizer
 
-    from tr_serve.bench.spec_bench import read_questions as tr_read
-    from tr_serve.bench.spec_bench import select_questions as tr_select
-    from tr_serve.bench.spec_bench import warmup_questions as tr_warmup
+    from tr_serve.bench.records import read_questions as tr_read
+    from tr_serve.bench.records import select_questions as tr_select
+    from tr_serve.bench.records import warmup_questions as tr_warmup
     from tr_serve.llm import encode_prompt
 
     model_dir = model_dir or tr_model_dir()
@@ -219,7 +221,7 @@ def _question_extra(r: Run) -> dict:
 
 
 def summarize(methods: list[Method], categories: list[str]) -> dict:
-    """``tr_serve.bench.spec_bench.summarize``'s entries (the same ``method_entry``): MAT, tokens/s,
+    """``tr_serve.bench.summary.summarize``'s entries (the same ``method_entry``): MAT, tokens/s,
     speedup over the method's reference (the plain run), ``identical`` to it, per category and per
     question, plus vLLM's own counters."""
     by_name = {m.name: m for m in methods}

@@ -5,6 +5,8 @@
     tr-serve bench [--questions PATH] [--per-category N] [--max-new-tokens N] [--tree T ...] ...
     tr-serve bench --concurrency 1,4,8 [--questions PATH] [--per-category N] ...
     tr-serve bench-fleet --questions PATH --json OUT [--per-category N] [--max-new-tokens N] [--tree NAME]
+    tr-serve bench-tp [--tp 3] [--questions N] [--max-tokens N] [--tree T] ...
+    tr-serve bench-tp-fleet [--config CONFIG.yaml] [--per-category N] [--max-tokens N] ...
     tr-serve run CONFIG.yaml [--drain-timeout S]      # `serve run` with a graceful drain, Ray token auth on
 
 Bad arguments print one line on stderr and exit with code 2.
@@ -17,23 +19,14 @@ import sys
 import time
 from typing import Sequence
 
+from tr_serve.cli_args import (OneLineErrorParser, UsageError, check_model_arg, positive_int, positive_int_list,
+                               quiet_transformers)
+
 DEFAULT_MODEL = "smollm2-135m-instruct"
-
-
-class UsageError(Exception):
-    """Bad user input found after parsing (a tree, a model path, a stop string...): exit 2."""
-
-
-class OneLineErrorParser(argparse.ArgumentParser):
-    """An argparse parser whose errors are a single line (no usage dump) and exit code 2."""
-
-    def error(self, message: str):  # noqa: D401 - argparse API
-        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
 def build_parser() -> OneLineErrorParser:
     from tr_serve.bench import spec_bench
-    from tr_serve.bench.records import positive_int
 
     parser = OneLineErrorParser(prog="tr-serve", description="Lossless Token Recycling speculative decoding.")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
@@ -63,7 +56,7 @@ def build_parser() -> OneLineErrorParser:
                        description="Spec-Bench benchmark: baseline greedy vs Token Recycling trees vs prompt "
                                    "lookup decoding, interleaved prompt by prompt.")
     spec_bench.add_arguments(b)
-    b.add_argument("--concurrency", type=_levels, default=None, metavar="N[,N...]",
+    b.add_argument("--concurrency", type=positive_int_list, default=None, metavar="N[,N...]",
                    help="instead: N concurrent clients through the async engine per level, comparing plain "
                         "continuous batching (baseline), same-runner pld and tr:<tree> for each --tree (default: "
                         "tr:2.2.2 and tr:auto); every level and round serves --per-category questions per "
@@ -78,41 +71,16 @@ def build_parser() -> OneLineErrorParser:
     b.set_defaults(func=cmd_bench)
 
     from tr_serve.bench import fleet as bench_fleet
+    from tr_serve.bench import tp as bench_tp
+    from tr_serve.bench import tp_fleet as bench_tp_fleet
 
     bench_fleet.add_parser(sub)  # tr-serve bench-fleet
+    bench_tp.add_parser(sub)  # tr-serve bench-tp
+    bench_tp_fleet.add_parser(sub)  # tr-serve bench-tp-fleet
     from tr_serve.serve import run as serve_run
 
     serve_run.add_parser(sub)  # tr-serve run CONFIG
     return parser
-
-
-def _levels(text: str) -> list[int]:
-    try:
-        levels = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected N[,N...] positive integers, got {text!r}") from None
-    if not levels or min(levels) < 1:
-        raise argparse.ArgumentTypeError(f"expected N[,N...] positive integers, got {text!r}")
-    return levels
-
-
-def _quiet_transformers() -> None:
-    try:
-        from transformers.utils import logging as hf_logging
-
-        hf_logging.disable_progress_bar()
-        hf_logging.set_verbosity_error()
-    except Exception:  # pragma: no cover - never block the CLI on logging setup
-        pass
-
-
-def check_model_arg(model: str) -> None:
-    """A model given as a local path (``/``, ``./``, ``../``, ``~``, or a ``.gguf`` file) must exist."""
-    import os
-
-    local = model.startswith(("/", "./", "../", "~")) or model.endswith(".gguf")
-    if local and not os.path.exists(os.path.expanduser(model)):
-        raise UsageError(f"model path {model} does not exist")
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -144,7 +112,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     check_model_arg(args.model)
 
     from tr_serve.engine.engine import PromptTooLongError
-    from tr_serve.llm import LLM, encode_prompt
+    from tr_serve.engine.prompt import encode_prompt
+    from tr_serve.llm import LLM
     from tr_serve.model_loader import load_model
     from tr_serve.sampling_params import SamplingParams
 
@@ -152,7 +121,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         params = SamplingParams(max_tokens=args.max_tokens, stop=tuple(args.stop))
     except ValueError as e:
         raise UsageError(str(e)) from None
-    _quiet_transformers()
+    quiet_transformers()
     try:
         loaded = load_model(args.model, device=args.device, dtype=args.dtype)
     except (OSError, ValueError) as e:
@@ -190,61 +159,19 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from tr_serve.bench import spec_bench
-
-    _quiet_transformers()
+    """``tr-serve bench``: single stream, or ``--latency``, or ``--concurrency`` (the bench's own modules)."""
+    quiet_transformers()
     if args.latency:
         from tr_serve.bench import latency
 
         return latency.execute(args)
     if args.concurrency:
-        return cmd_bench_concurrency(args)
+        from tr_serve.bench import concurrency
+
+        return concurrency.execute(args)
+    from tr_serve.bench import spec_bench
+
     return spec_bench.execute(args, prog="tr-serve bench")
-
-
-def cmd_bench_concurrency(args: argparse.Namespace) -> int:
-    from pathlib import Path
-
-    from tqdm import tqdm
-
-    from tr_serve.bench import concurrency, spec_bench
-    from tr_serve.llm import encode_prompt
-    from tr_serve.model_loader import load_model
-
-    try:
-        for spec in args.trees or ():
-            spec_bench.validate_tree(spec, args.k)
-        questions = spec_bench.read_questions(args.questions)
-        categories = list(dict.fromkeys(q.category for q in questions))
-        per_run = args.per_category * len(categories)
-        schedule = concurrency.plan_levels(concurrency.interleave_by_category(questions), args.concurrency,
-                                           args.rounds, per_run, args.warmup)
-    except (spec_bench.BenchError, ValueError) as e:
-        raise UsageError(str(e)) from None
-    check_model_arg(args.model)
-    if args.threads:
-        import torch
-
-        torch.set_num_threads(args.threads)
-    device = spec_bench.resolve_device(args.device)
-    loaded = load_model(args.model, device=device, dtype=args.dtype)
-    for plan in schedule.values():
-        for q in plan.warmup + [q for qs in plan.rounds for q in qs]:
-            q.prompt_ids = encode_prompt(loaded.tokenizer, [{"role": "user", "content": q.text}])
-    methods = concurrency.methods_for(args.trees, pld=args.pld)
-    bar = tqdm(total=per_run * len(methods) * len(args.concurrency) * args.rounds, desc="bench", unit="req",
-               file=sys.stderr)
-    try:
-        result = concurrency.run_concurrency(loaded, schedule, args.max_new_tokens, methods,
-                                             progress=lambda: bar.update(1), cpu_kernels=args.cpu_kernels, k=args.k)
-    finally:
-        bar.close()
-    result.update(model=args.model, device=device, questions_file=str(args.questions),
-                  questions_per_level_round=per_run, max_new_tokens=args.max_new_tokens)
-    png = concurrency.save(result, Path(args.json_out))
-    print(concurrency.markdown(result))
-    print(f"\nwrote {args.json_out} and {png}")
-    return 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:

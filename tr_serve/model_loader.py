@@ -76,7 +76,9 @@ def _file_hash(path: Path) -> str:
     return h.hexdigest()[:24]
 
 
-def _eos_ids(model, tokenizer) -> tuple[int, ...]:
+def eos_ids(model, tokenizer) -> tuple[int, ...]:
+    """The stop tokens of a model: its generation config's EOS ids, then the tokenizer's, without
+    repeats (the single-process and the tensor-parallel loaders both use it)."""
     ids: list[int] = []
     gen_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
     for src in (gen_eos, getattr(tokenizer, "eos_token_id", None)):
@@ -159,4 +161,4 @@ def load_model(model: str, device: str = "cpu", dtype: str | torch.dtype | None 
     hf_model.config._attn_implementation = attn_implementation
     hf_model.to(device).eval()
     hf_model.requires_grad_(False)
-    return LoadedModel(hf_model, tokenizer, model_id, _eos_ids(hf_model, tokenizer))
+    return LoadedModel(hf_model, tokenizer, model_id, eos_ids(hf_model, tokenizer))

@@ -13,7 +13,7 @@ from tr_serve.bench.concurrency import (DEFAULT_METHODS, ConcurrencyMethod, Leve
                                         interleave_by_category, markdown, methods_for, plan_levels,
                                         run_concurrency, save)
 from tr_serve.bench.provenance import kernel_plan_record, template_record
-from tr_serve.bench.spec_bench import Question
+from tr_serve.bench.records import Question
 
 
 def _questions(n: int, categories=("a", "b", "c"), length: int = 4) -> list[Question]:

@@ -11,7 +11,9 @@ from pathlib import Path
 import pytest
 
 from script_module import load_script
-from tr_serve.bench import spec_bench
+from tr_serve.bench.methods import Method
+from tr_serve.bench.records import Run, read_questions, select_questions, warmup_questions
+from tr_serve.bench.summary import summarize
 from tr_serve.bench.report import markdown_tables
 from tr_serve.data import SPEC_BENCH_DEV
 from tr_serve.llm import encode_prompt
@@ -38,8 +40,8 @@ def test_the_script_imports_neither_tr_serve_nor_vllm_at_module_level(peer):
 
 @pytest.mark.parametrize("per_category,warmup", [(1, 1), (2, 1), (2, 3), (3, 0)])
 def test_replica_selects_the_questions_and_prompts_tr_serve_bench_does(peer, tokenizer, per_category, warmup):
-    chosen, rest = spec_bench.select_questions(spec_bench.read_questions(SPEC_BENCH_DEV), per_category)
-    warm = spec_bench.warmup_questions(chosen, rest, warmup)
+    chosen, rest = select_questions(read_questions(SPEC_BENCH_DEV), per_category)
+    warm = warmup_questions(chosen, rest, warmup)
     mine, my_warm = peer.selection(str(SPEC_BENCH_DEV), per_category, warmup, tokenizer)
     assert [q.question_id for q in mine] == [q.question_id for q in chosen]
     assert [q.question_id for q in my_warm] == [q.question_id for q in warm]
@@ -128,17 +130,17 @@ def _peer_result(peer, ngram_ids=None) -> dict:
 
 
 def _tr_result() -> dict:
-    """A ``tr-serve bench`` JSON from ``spec_bench.summarize`` over made-up runs of the same questions."""
-    base = spec_bench.Method("baseline", "baseline", tree="none")
-    auto = spec_bench.Method("tr:auto", "tr", tree="auto", prompt_seeding=True)
+    """A ``tr-serve bench`` JSON from ``tr_serve.bench.summary.summarize`` over made-up runs of the same questions."""
+    base = Method("baseline", "baseline", tree="none")
+    auto = Method("tr:auto", "tr", tree="auto", prompt_seeding=True)
     for m, sec, fwd in ((base, 0.4, 3), (auto, 0.25, 2)):
         for i, cat in enumerate(["writing", "qa"]):
-            m.runs.append(spec_bench.Run(81 + 10 * i, cat, [5, 6, 7, 2], sec, fwd, 3, "stop"))
+            m.runs.append(Run(81 + 10 * i, cat, [5, 6, 7, 2], sec, fwd, 3, "stop"))
     return {"model": "smollm2-135m-instruct", "device": "cpu", "dtype": "float32", "questions": 2,
             "question_ids": [81, 91], "categories": ["writing", "qa"], "warmup_question_ids": [83],
             "max_new_tokens": 4, "per_category": 1, "torch": "2.13.0+cpu", "transformers": "5.24.0",
             "torch_threads": 2, "cpu_kernels": "auto", "kernel_plan": "torch",
-            "methods": spec_bench.summarize([base, auto], ["writing", "qa"])}
+            "methods": summarize([base, auto], ["writing", "qa"])}
 
 
 def test_peer_json_has_tr_serve_bench_shape(peer):

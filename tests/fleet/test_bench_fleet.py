@@ -1,23 +1,11 @@
-"""``tr-serve bench-fleet``: question split and command line (the run itself is too slow for CI)."""
+"""``tr-serve bench-fleet``: command line (the run itself is too slow for CI; the question split is in
+tests/bench/test_questions.py)."""
 
 from __future__ import annotations
-
 
 import pytest
 
 from tr_serve.bench import fleet
-from tr_serve.bench.spec_bench import Question
-
-
-def test_split_alternates_within_each_category():
-    qs = [Question(i, cat, f"q{i}") for i, cat in enumerate("aaabbc")]
-    warm, measure = fleet.split_questions(qs, per_category=1)
-    assert [q.question_id for q in warm] == [0, 3, 5]
-    assert [q.question_id for q in measure] == [1, 4]
-    warm, measure = fleet.split_questions(qs, per_category=2)
-    assert [q.question_id for q in warm] == [0, 2, 3, 5] and [q.question_id for q in measure] == [1, 4]
-    with pytest.raises(fleet.BenchError, match="nothing is left to measure"):
-        fleet.split_questions([Question(1, "a", "x")], 1)
 
 
 def test_parser_registers_on_the_cli_subparsers():

@@ -15,8 +15,10 @@ compared token for token.
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
+import sys
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -58,7 +60,7 @@ class TooFewQuestionsError(ValueError):
 @dataclass
 class LevelPlan:
     """What one concurrency level serves: ``rounds[r]`` in round r, ``warmup`` untimed first. Items
-    have ``question_id`` and ``prompt_ids`` (``spec_bench.Question``)."""
+    have ``question_id`` and ``prompt_ids`` (``records.Question``)."""
 
     rounds: list[list[Any]]
     warmup: list[Any] = field(default_factory=list)
@@ -296,3 +298,50 @@ def save(result: dict, json_path: Path) -> Path:
     png = json_path.with_suffix(".png")
     write_chart(result, png)
     return png
+
+
+def execute(args: argparse.Namespace) -> int:
+    """``tr-serve bench --concurrency``: uses the bench options (questions, trees, model, device...)
+    and ``--rounds``; the tables on stdout, the JSON and its chart written. Bad input raises
+    :class:`~tr_serve.cli_args.UsageError` (one line, exit 2)."""
+    from tqdm import tqdm
+
+    from tr_serve.bench.config import resolve_device, validate_tree
+    from tr_serve.bench.questions import encode_questions
+    from tr_serve.bench.records import BenchError, read_questions
+    from tr_serve.cli_args import UsageError, check_model_arg
+    from tr_serve.model_loader import load_model
+
+    try:
+        for spec in args.trees or ():
+            validate_tree(spec, args.k)
+        questions = read_questions(args.questions)
+        categories = list(dict.fromkeys(q.category for q in questions))
+        per_run = args.per_category * len(categories)
+        schedule = plan_levels(interleave_by_category(questions), args.concurrency, args.rounds, per_run,
+                               args.warmup)
+    except (BenchError, ValueError) as e:
+        raise UsageError(str(e)) from None
+    check_model_arg(args.model)
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
+    device = resolve_device(args.device)
+    loaded = load_model(args.model, device=device, dtype=args.dtype)
+    for plan in schedule.values():
+        encode_questions(loaded.tokenizer, plan.warmup + [q for qs in plan.rounds for q in qs])
+    methods = methods_for(args.trees, pld=args.pld)
+    bar = tqdm(total=per_run * len(methods) * len(args.concurrency) * args.rounds, desc="bench", unit="req",
+               file=sys.stderr)
+    try:
+        result = run_concurrency(loaded, schedule, args.max_new_tokens, methods, progress=lambda: bar.update(1),
+                                 cpu_kernels=args.cpu_kernels, k=args.k)
+    finally:
+        bar.close()
+    result.update(model=args.model, device=device, questions_file=str(args.questions),
+                  questions_per_level_round=per_run, max_new_tokens=args.max_new_tokens)
+    png = save(result, Path(args.json_out))
+    print(markdown(result))
+    print(f"\nwrote {args.json_out} and {png}")
+    return 0

@@ -31,31 +31,17 @@ import sys
 import tempfile
 import time
 import uuid
-from collections import OrderedDict
 from pathlib import Path
 from typing import Any, Sequence
 
-from tr_serve.bench.records import BenchError, Question, positive_int, read_questions
-from tr_serve.bench.spec_bench import DEFAULT_MODEL, DEFAULT_QUESTIONS, resolve_device
+from tr_serve.bench.config import DEFAULT_MODEL, resolve_device
+from tr_serve.bench.local_ray import local_ray
+from tr_serve.bench.questions import DEFAULT_QUESTIONS, encode_questions, split_questions
+from tr_serve.bench.records import BenchError, Question, read_questions
+from tr_serve.cli_args import add_command, positive_float, positive_int, quiet_transformers, run_standalone
 
 DEFAULT_JSON = os.path.join("bench_out", "bench_fleet.json")
 TARGETS = {"fleet_over_cold": 1.05, "token_path_overhead": 0.01, "adopt_ms": 20.0}
-
-
-def split_questions(questions: Sequence[Question], per_category: int) -> tuple[list[Question], list[Question]]:
-    """Per category (in order of first appearance), the first ``2 * per_category`` questions,
-    alternately into the warm half and the measured half."""
-    by_cat: "OrderedDict[str, list[Question]]" = OrderedDict()
-    for q in questions:
-        by_cat.setdefault(q.category, []).append(q)
-    warm, measure = [], []
-    for qs in by_cat.values():
-        picked = qs[: 2 * per_category]
-        warm.extend(picked[0::2])
-        measure.extend(picked[1::2])
-    if not measure:
-        raise BenchError("every category has a single question: nothing is left to measure")
-    return warm, measure
 
 
 class StepClock:
@@ -77,7 +63,8 @@ class StepClock:
         engine.step = timed
 
 
-async def _generate(engine, prompt_ids: list[int], max_new_tokens: int, request_id: str):
+async def generate_one(engine, prompt_ids: list[int], max_new_tokens: int, request_id: str):
+    """Greedy answer of one prompt through an ``AsyncEngine``: its last (finished) ``RequestOutput``."""
     from tr_serve.sampling_params import SamplingParams
 
     last = None
@@ -86,21 +73,10 @@ async def _generate(engine, prompt_ids: list[int], max_new_tokens: int, request_
     return last
 
 
-def _mat(outs) -> float:
+def outputs_mat(outs) -> float:
+    """MAT over several answers: accepted tokens / verification steps, summed (1.0 with no step)."""
     steps = sum(len(o.stats.accepted_per_step) for o in outs)
     return sum(sum(o.stats.accepted_per_step) for o in outs) / steps if steps else 1.0
-
-
-def _start_ray():
-    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    import ray
-
-    if ray.is_initialized():
-        return ray, False
-    ray.init(address="local", num_cpus=max(1, min(2, os.cpu_count() or 1)), include_dashboard=False,
-             log_to_driver=False, configure_logging=False)
-    return ray, True
 
 
 async def _bench(args, loaded, warm: list[Question], measure: list[Question], snapshot_dir: str, namespace: str,
@@ -128,7 +104,7 @@ async def _bench(args, loaded, warm: list[Question], measure: list[Question], sn
     cfg = FleetSyncConfig(enabled=True, namespace=namespace, snapshot_dir=snapshot_dir,
                           sync_interval_s=args.sync_interval_s, snapshot_interval_s=60.0)
     (a, clock_a), (b, clock_b) = engine(args.tree), engine(args.tree)
-    (cold, clock_cold), (local, _), (plain, _) = engine(args.tree), engine(args.tree), engine("none")
+    (cold, _), (local, _), (plain, _) = engine(args.tree), engine(args.tree), engine("none")
     engines = (a, b, cold, local, plain)
     try:
         # 1. warm replica A on the warm half, syncing in the background
@@ -138,7 +114,7 @@ async def _bench(args, loaded, warm: list[Question], measure: list[Question], sn
         warm_outs = []
         for i, q in enumerate(warm):
             log(f"warm {i + 1}/{len(warm)} q{q.question_id} ({q.category})")
-            warm_outs.append(await _generate(a, q.prompt_ids, args.max_new_tokens, f"warm-{i}"))
+            warm_outs.append(await generate_one(a, q.prompt_ids, args.max_new_tokens, f"warm-{i}"))
         warm_s = time.perf_counter() - t0
         flushed = await sync_a.flush()  # the rows of the last questions (connects if it had not yet)
         if flushed["error"] is not None:
@@ -168,7 +144,7 @@ async def _bench(args, loaded, warm: list[Question], measure: list[Question], sn
         t0 = time.perf_counter()
         for i, q in enumerate(measure):
             log(f"measure {i + 1}/{len(measure)} q{q.question_id} ({q.category})")
-            outs = await asyncio.gather(*[_generate(e, q.prompt_ids, args.max_new_tokens, f"{n}-{i}")
+            outs = await asyncio.gather(*[generate_one(e, q.prompt_ids, args.max_new_tokens, f"{n}-{i}")
                                           for n, e in zip(names, (plain, cold, b, local))])
             for n, o in zip(names, outs):
                 runs[n].append(o)
@@ -181,7 +157,7 @@ async def _bench(args, loaded, warm: list[Question], measure: list[Question], sn
     base = [o.token_ids for o in runs["plain"]]
     same = {n: [o.token_ids == t for o, t in zip(runs[n], base)] for n in names}
     identical = all(all(same[n]) for n in ("cold", "fleet_warm", "local_warm"))
-    mats = {n: _mat(runs[n]) for n in names}
+    mats = {n: outputs_mat(runs[n]) for n in names}
     b_token_path = sync_b.token_path_s - token_path_b0
     overhead_a = sync_a.token_path_s / clock_a.seconds if clock_a.seconds else 0.0
     overhead_b = b_token_path / clock_b.seconds if clock_b.seconds else 0.0
@@ -226,7 +202,7 @@ async def _bench(args, loaded, warm: list[Question], measure: list[Question], sn
         },
         "warm_seconds": warm_s,
         "measure_seconds": measure_s,
-        "warm_mat": _mat(warm_outs),
+        "warm_mat": outputs_mat(warm_outs),
         "per_question": [
             {"question_id": q.question_id, "category": q.category, "new_tokens": len(runs["plain"][i].token_ids),
              **{f"{n}_mat": runs[n][i].stats.mat for n in ("cold", "fleet_warm", "local_warm")},
@@ -255,7 +231,6 @@ def run_bench_fleet(args: argparse.Namespace, progress: bool = True) -> dict[str
 
     import torch
 
-    from tr_serve.llm import encode_prompt
     from tr_serve.model_loader import load_model
 
     if args.cpu_threads:
@@ -264,28 +239,27 @@ def run_bench_fleet(args: argparse.Namespace, progress: bool = True) -> dict[str
         loaded = load_model(args.model, device=device, dtype=args.dtype)
     except (OSError, ValueError) as e:
         raise BenchError(f"cannot load model {args.model!r}: {e}".splitlines()[0]) from None
-    for q in warm + measure:
-        q.prompt_ids = encode_prompt(loaded.tokenizer, [{"role": "user", "content": q.text}])
+    encode_questions(loaded.tokenizer, warm + measure)
     max_pos = getattr(loaded.model.config, "max_position_embeddings", None) or 1 << 30
     if max(len(q.prompt_ids) for q in warm + measure) + args.max_new_tokens + 1 > max_pos:
         raise BenchError(f"a prompt plus --max-new-tokens {args.max_new_tokens} exceeds the model's context")
 
-    ray, started = _start_ray()
     own_dir = args.snapshot_dir is None
     snapshot_dir = tempfile.mkdtemp(prefix="tr-bench-fleet-") if own_dir else args.snapshot_dir
     namespace = f"bench-{uuid.uuid4().hex[:8]}"  # its own fleet: never adopts or feeds a real one
     t0 = time.perf_counter()
     try:
-        result = asyncio.run(_bench(args, loaded, warm, measure, snapshot_dir, namespace, progress))
-    finally:
-        try:
-            from tr_serve.fleet.actor import stop_matrix_actor
+        with local_ray(max(1, min(2, os.cpu_count() or 1))):
+            try:
+                result = asyncio.run(_bench(args, loaded, warm, measure, snapshot_dir, namespace, progress))
+            finally:
+                try:
+                    from tr_serve.fleet.actor import stop_matrix_actor
 
-            stop_matrix_actor(loaded.model_id, namespace, timeout_s=10)
-        except Exception:
-            pass
-        if started:
-            ray.shutdown()
+                    stop_matrix_actor(loaded.model_id, namespace, timeout_s=10)
+                except Exception:
+                    pass
+    finally:
         if own_dir:
             shutil.rmtree(snapshot_dir, ignore_errors=True)
     result = {
@@ -361,16 +335,6 @@ def format_result(r: dict) -> str:
 
 # ---- command line ------------------------------------------------------------------------------
 
-def _positive_float(text: str) -> float:
-    try:
-        v = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}") from None
-    if not v > 0:
-        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}")
-    return v
-
-
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--questions", default=DEFAULT_QUESTIONS, metavar="PATH",
                    help=f"Spec-Bench JSONL (default: {DEFAULT_QUESTIONS})")
@@ -382,7 +346,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tree", default="2.2.2", metavar="NAME|PATH", help="Token Recycling tree (default: 2.2.2)")
     p.add_argument("--model", default=DEFAULT_MODEL, help=f"default: {DEFAULT_MODEL}")
     p.add_argument("--k", type=positive_int, default=8, help="candidates per matrix row (default: 8)")
-    p.add_argument("--sync-interval-s", type=_positive_float, default=2.0, metavar="S",
+    p.add_argument("--sync-interval-s", type=positive_float, default=2.0, metavar="S",
                    help="replica push/poll period (default: 2.0, the serving default)")
     p.add_argument("--snapshot-dir", default=None, metavar="DIR",
                    help="actor snapshot root (default: a temporary folder, removed at the end)")
@@ -393,20 +357,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
     """``tr-serve bench-fleet``: register on the CLI's subparsers (sets ``func=run``)."""
-    p = subparsers.add_parser("bench-fleet", help="fleet hot start: cold vs fleet-warm vs local-warm MAT",
-                              description=__doc__.splitlines()[0])
-    add_arguments(p)
-    p.set_defaults(func=run)
-    return p
+    return add_command(subparsers, "bench-fleet", help="fleet hot start: cold vs fleet-warm vs local-warm MAT",
+                       description=__doc__.splitlines()[0], add_arguments=add_arguments, run=run)
 
 
 def run(args: argparse.Namespace, prog: str = "tr-serve bench-fleet") -> int:
-    try:
-        from tr_serve.cli import _quiet_transformers
-
-        _quiet_transformers()
-    except Exception:
-        pass
+    quiet_transformers()
     try:
         result = run_bench_fleet(args)
     except BenchError as e:
@@ -418,11 +374,7 @@ def run(args: argparse.Namespace, prog: str = "tr-serve bench-fleet") -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from tr_serve.cli import OneLineErrorParser
-
-    parser = OneLineErrorParser(prog="tr-serve bench-fleet", description=__doc__.splitlines()[0])
-    add_arguments(parser)
-    return run(parser.parse_args(argv))
+    return run_standalone("tr-serve bench-fleet", __doc__.splitlines()[0], add_arguments, run, argv)
 
 
 if __name__ == "__main__":

@@ -151,9 +151,9 @@ def save(result: dict[str, Any], path: Path) -> None:
 def execute(args: argparse.Namespace) -> int:
     """``tr-serve bench --latency``: uses the bench options --model, --device, --dtype, --threads,
     --cpu-kernels and --json (default bench_out/latency.json instead of the Spec-Bench file)."""
-    from tr_serve.bench.spec_bench import DEFAULT_JSON as SPEC_BENCH_JSON
-    from tr_serve.bench.spec_bench import resolve_device
-    from tr_serve.cli import check_model_arg
+    from tr_serve.bench.config import DEFAULT_JSON as SPEC_BENCH_JSON
+    from tr_serve.bench.config import resolve_device
+    from tr_serve.cli_args import check_model_arg
     from tr_serve.model_loader import load_model
 
     check_model_arg(args.model)

@@ -1,4 +1,4 @@
-"""What every benchmark here reads and writes: questions, runs, per-method summaries, CLI numbers.
+"""What every benchmark here reads and writes: questions, runs, per-method summaries.
 
 Standard library only, on purpose: ``scripts/peer_vllm.py`` runs in vLLM's own venv, without
 tr_serve's dependencies, and loads this file by its path, so both engines select the same questions
@@ -7,7 +7,6 @@ and write the same JSON shape from one copy of the code.
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import os
@@ -191,6 +190,14 @@ def method_entry(runs: Sequence[Run], reference: Sequence[Run] | None, check_aga
     return entry
 
 
+def selection_record(questions_file: str, chosen: Sequence[Question], warm: Sequence[Question],
+                     categories: Sequence[str]) -> dict[str, Any]:
+    """The JSON fields that say which questions a run measured and warmed up on (in this order)."""
+    return {"questions_file": str(questions_file), "questions": len(chosen),
+            "question_ids": [q.question_id for q in chosen], "categories": list(categories),
+            "warmup_question_ids": [q.question_id for q in warm]}
+
+
 def round_floats(obj, digits: int = 6):
     """``obj`` with every float rounded (non-finite ones as null), for the JSON."""
     if isinstance(obj, float):
@@ -200,23 +207,3 @@ def round_floats(obj, digits: int = 6):
     if isinstance(obj, list):
         return [round_floats(v, digits) for v in obj]
     return obj
-
-
-# ---- command-line numbers ----------------------------------------------------------------------
-
-def _int_at_least(text: str, low: int, what: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a {what} integer, got {text!r}") from None
-    if v < low:
-        raise argparse.ArgumentTypeError(f"expected a {what} integer, got {text!r}")
-    return v
-
-
-def positive_int(text: str) -> int:
-    return _int_at_least(text, 1, "positive")
-
-
-def non_negative_int(text: str) -> int:
-    return _int_at_least(text, 0, "non-negative")

@@ -203,7 +203,7 @@ def load_sharded_model(model: str, rank: int, world_size: int, dtype: torch.dtyp
     or a cached hub id), with the tokenizer and end-of-sequence ids of the full model."""
     from transformers import AutoTokenizer
 
-    from tr_serve.model_loader import LoadedModel, _eos_ids
+    from tr_serve.model_loader import LoadedModel, eos_ids
 
     folder = resolve_checkpoint(model)
     hf_model = load_sharded(folder, rank, world_size, dtype, device, reduce=reduce, group=group)
@@ -214,7 +214,7 @@ def load_sharded_model(model: str, rank: int, world_size: int, dtype: torch.dtyp
     except (OSError, ValueError):
         pass
     tokenizer = AutoTokenizer.from_pretrained(folder)
-    return LoadedModel(hf_model, tokenizer, model, _eos_ids(hf_model, tokenizer))
+    return LoadedModel(hf_model, tokenizer, model, eos_ids(hf_model, tokenizer))
 
 
 __all__ = ["CheckpointError", "ShardingError", "load_sharded", "load_sharded_model", "resolve_checkpoint",

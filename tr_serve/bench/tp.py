@@ -1,6 +1,6 @@
 """Tensor parallel vs single process on Spec-Bench dev questions: same greedy tokens? step time?
 
-    python -m tr_serve.tp.bench --tp 3 --questions 8 --max-tokens 32 --tree top4
+    tr-serve bench-tp --tp 3 --questions 8 --max-tokens 32 --tree top4
 
 Runs the same requests (chat-encoded first turns, all submitted at once) through ``Engine`` over
 its local ``ModelRunner`` in this process and through the same ``Engine`` over a ``TPModelRunner``
@@ -16,30 +16,24 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import os
+import sys
 import time
 from pathlib import Path
+from typing import Sequence
 
 import torch
 
-from tr_serve.data import SPEC_BENCH_DEV as DEV  # packaged Spec-Bench dev questions
+from tr_serve.bench.local_ray import local_ray
+from tr_serve.bench.questions import DEFAULT_QUESTIONS, short_questions
+from tr_serve.bench.records import Question, first_mismatch, read_questions
+from tr_serve.cli_args import add_command, positive_int, quiet_transformers, run_standalone
+
+MAX_PROMPT_TOKENS = 400  # short questions only: the TP workers' contexts stay small
 
 
-def dev_prompts(tokenizer, count: int, path: Path = DEV, max_prompt_tokens: int = 400) -> list[tuple[int, list[int]]]:
-    """(question_id, chat-encoded first turn) for the first ``count`` short-enough questions."""
-    from tr_serve.llm import encode_prompt
-
-    out = []
-    for line in path.read_text().splitlines():
-        if not line.strip():
-            continue
-        row = json.loads(line)
-        ids = encode_prompt(tokenizer, [{"role": "user", "content": row["turns"][0]}])
-        if len(ids) <= max_prompt_tokens:
-            out.append((row["question_id"], ids))
-        if len(out) == count:
-            break
-    return out
+def dev_questions(tokenizer, count: int) -> list[Question]:
+    """The first ``count`` packaged dev questions whose chat-encoded prompt is short enough."""
+    return short_questions(tokenizer, read_questions(DEFAULT_QUESTIONS), MAX_PROMPT_TOKENS)[:count]
 
 
 def run_engine(engine, prompts: list[list[int]], max_tokens: int) -> tuple[list[list[int]], list[float]]:
@@ -60,38 +54,35 @@ def run_engine(engine, prompts: list[list[int]], max_tokens: int) -> tuple[list[
     return [done[i] for i in ids], times
 
 
-def top2_gap(model, prompt: list[int], prefix: list[int]) -> float:
-    """top-1 minus top-2 logit of the unsharded model after ``prompt + prefix``."""
-    with torch.inference_mode():
-        logits = model(torch.tensor([prompt + prefix])).logits[0, -1].float()
-    top = torch.topk(logits, 2).values
-    return float(top[0] - top[1])
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    from tr_serve.bench.config import DEFAULT_MODEL
+
+    p.add_argument("--model", default=DEFAULT_MODEL)
+    p.add_argument("--tp", type=positive_int, default=3, help="tensor-parallel workers (default: 3)")
+    p.add_argument("--questions", type=positive_int, default=8, help="dev questions (default: 8)")
+    p.add_argument("--max-tokens", type=positive_int, default=32, help="new tokens per question (default: 32)")
+    p.add_argument("--tree", default="top4", help="tree setting (default: top4)")
+    p.add_argument("--max-num-seqs", type=positive_int, default=4, help="engine rows (default: 4)")
+    p.add_argument("--threads", type=positive_int, default=1, help="torch threads per process (default: 1)")
+    p.add_argument("--json", default=None, help="write the results here")
 
 
-def first_difference(a: list[int], b: list[int]) -> int | None:
-    for i, (x, y) in enumerate(zip(a, b)):
-        if x != y:
-            return i
-    return None if len(a) == len(b) else min(len(a), len(b))
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    """``tr-serve bench-tp``: register on the CLI's subparsers (sets ``func=run``)."""
+    return add_command(subparsers, "bench-tp", help="tensor parallel vs single process: same tokens, step time",
+                       description=__doc__.splitlines()[0], add_arguments=add_arguments, run=run)
 
 
-def main(argv=None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default="smollm2-135m-instruct")
-    ap.add_argument("--tp", type=int, default=3)
-    ap.add_argument("--questions", type=int, default=8)
-    ap.add_argument("--max-tokens", type=int, default=32)
-    ap.add_argument("--tree", default="top4")
-    ap.add_argument("--max-num-seqs", type=int, default=4)
-    ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--json", default=None, help="write the results here")
-    args = ap.parse_args(argv)
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+def main(argv: Sequence[str] | None = None) -> int:
+    return run_standalone("tr-serve bench-tp", __doc__.splitlines()[0], add_arguments, run, argv)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run both engines on the same requests, print the comparison, write ``--json``."""
+    quiet_transformers()
     torch.set_num_threads(args.threads)
 
-    import ray
-
+    from tr_serve.bench.summary import logit_gap_at
     from tr_serve.engine.config import EngineConfig
     from tr_serve.engine.engine import Engine
     from tr_serve.engine.timing import PhaseTimer
@@ -100,12 +91,10 @@ def main(argv=None) -> dict:
 
     config = EngineConfig(model=args.model, tree=args.tree, max_num_seqs=args.max_num_seqs, max_model_len=1024)
     loaded = load_model(args.model)
-    questions = dev_prompts(loaded.tokenizer, args.questions)
-    prompts = [p for _, p in questions]
+    questions = dev_questions(loaded.tokenizer, args.questions)
+    prompts = [q.prompt_ids for q in questions]
     ref, ref_times = run_engine(Engine(loaded, config), prompts, args.max_tokens)
-    ray.init(address="local", num_cpus=args.tp + 1, include_dashboard=False, log_to_driver=False,
-             configure_logging=False)
-    try:
+    with local_ray(args.tp + 1):
         timer = PhaseTimer("cpu")
         tp = tp_engine(args.model, config, args.tp, timer=timer, cpu_threads=args.threads, measure_bytes=True)
         try:
@@ -115,13 +104,12 @@ def main(argv=None) -> dict:
             transfer = tp.runner.transfer
         finally:
             tp.runner.shutdown()
-    finally:
-        ray.shutdown()
     rows = []
-    for (qid, prompt), a, b in zip(questions, ref, got):
-        i = first_difference(a, b)
-        gap = None if i is None else top2_gap(loaded.model, prompt, a[:i])
-        rows.append({"question_id": qid, "tokens": len(a), "identical": i is None, "first_difference": i,
+    for q, a, b in zip(questions, ref, got):
+        mismatch = first_mismatch(a, b)
+        i = None if mismatch is None else mismatch["position"]
+        gap = None if mismatch is None else logit_gap_at(loaded, q.prompt_ids, a, mismatch)["top2_logit_gap"]
+        rows.append({"question_id": q.question_id, "tokens": len(a), "identical": i is None, "first_difference": i,
                      "top2_gap": gap})
     result = {
         "tp": args.tp, "tree": args.tree, "questions": len(rows), "max_tokens": args.max_tokens,
@@ -147,8 +135,8 @@ def main(argv=None) -> dict:
           + ", ".join(f"{k} {v:.1f} ms" for k, v in result["phase_ms_per_step_tp"].items()))
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2))
-    return result
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
