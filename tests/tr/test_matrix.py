@@ -129,3 +129,29 @@ def test_a_preferred_occurrence_wins_over_later_ones():
     assert m.table[3].tolist() == [5, 6]
     m.recycle(tokens, logits)
     assert m.table[3].tolist() == [7, 8]  # no preference: the last occurrence
+
+
+def test_rows_are_a_copy_of_the_table_rows():
+    m = AdjacencyMatrix(vocab_size=10, k=2)
+    m.recycle(torch.tensor([3, 4]), torch.arange(20.0).reshape(2, 10))
+    rows = m.rows(torch.tensor([4, 3]))
+    assert rows.tolist() == [[9, 8], [9, 8]] and rows.dtype == torch.int32
+    rows[0, 0] = 1
+    assert m.table[4].tolist() == [9, 8]  # the matrix is not written through the copy
+
+
+def test_adopt_takes_the_table_and_keeps_the_given_rows():
+    m = AdjacencyMatrix(vocab_size=6, k=2)
+    m.recycle(torch.tensor([1]), torch.arange(6.0).reshape(1, 6))  # row 1 = [5, 4], dirty
+    snapshot = torch.full((6, 2), EMPTY, dtype=torch.int32)
+    snapshot[2] = torch.tensor([0, 1], dtype=torch.int32)
+    snapshot[3] = torch.tensor([4, 5], dtype=torch.int32)
+    m.adopt(snapshot, keep_ids=torch.tensor([3]), keep_rows=torch.tensor([[2, 3]], dtype=torch.int32))
+    assert m.table[1].tolist() == [EMPTY, EMPTY]  # not in the snapshot, not kept
+    assert m.table[2].tolist() == [0, 1] and m.table[3].tolist() == [2, 3]
+    assert m.take_dirty_rows().tolist() == [1]  # adopting marks nothing as changed here
+    snapshot[2, 0] = 5
+    assert m.table[2].tolist() == [0, 1]  # a copy, not the snapshot itself
+    with pytest.raises(ValueError, match="shape"):
+        m.adopt(torch.zeros(5, 2, dtype=torch.int32))
+

@@ -122,7 +122,7 @@ async def _bench(args, loaded, warm: list[Question], measure: list[Question], sn
         await sync_a.stop(final_push=False)
         actor = get_actor(loaded.model_id, cfg.namespace)
         info = await actor.info.remote()
-        local.engine.matrix.table.copy_(a.engine.matrix.table)  # reference: A's own matrix
+        local.matrix.adopt(a.matrix.table)  # reference: A's own matrix
 
         # 2. a fresh replica B adopts the fleet snapshot (between steps)
         sync_b = MatrixSync(b, cfg, model_id=loaded.model_id, tokenizer=loaded.tokenizer, replica_id="B")
@@ -183,7 +183,7 @@ async def _bench(args, loaded, warm: list[Question], measure: list[Question], sn
         "rows_pushed_warm_replica": sync_a.rows_pushed,
         "actor_version_after_warm": info["version"],
         "fleet_rows": info["filled_rows"],
-        "warm_replica_rows": int(a.engine.matrix.num_filled_rows()),
+        "warm_replica_rows": int(a.matrix.num_filled_rows()),
         "sync_errors": sync_a.errors + sync_b.errors,
     }
     return {

@@ -1,7 +1,7 @@
 """The matrix actor: one fleet-wide adjacency matrix per (model id, namespace).
 
-Why a named, detached Ray actor (``tr_matrix:<model id>:<namespace>`` in the Ray namespace
-``tr_serve``; ``lifetime="detached"``, ``get_if_exists=True``, ``max_restarts=-1``) rather than a
+Why a named, detached Ray actor (:class:`ActorAddress`: ``tr_matrix:<model id>:<namespace>`` in
+the Ray namespace ``tr_serve``; ``lifetime="detached"``, ``get_if_exists=True``, ``max_restarts=-1``) rather than a
 Serve deployment:
 
 * **Its state must outlive the app.** The matrix is the hot start; a Serve deployment is torn
@@ -29,15 +29,16 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import dataclasses
 import logging
 import time
 import uuid
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 
-from tr_serve.fleet.config import FleetSyncConfig
+from tr_serve.fleet.config import DEFAULT_NAMESPACE, FleetSyncConfig
 from tr_serve.fleet.merge import EMPTY, merge_push
 from tr_serve.fleet.metrics import FleetMetrics
 from tr_serve.fleet.snapshot import (Identity, MatrixState, load_newest, remove_stale_temp_files,
@@ -45,21 +46,36 @@ from tr_serve.fleet.snapshot import (Identity, MatrixState, load_newest, remove_
 
 logger = logging.getLogger("tr_serve.fleet")
 
-ACTOR_NAMESPACE = "tr_serve"  # the Ray namespace of every matrix actor (Serve replicas run in "serve")
+
+@dataclasses.dataclass(frozen=True)
+class ActorAddress:
+    """Where the matrix actor of one (model id, fleet namespace) lives: the named actor
+    ``tr_matrix:<model id>:<namespace>`` in the Ray namespace ``tr_serve`` (Serve replicas run in
+    "serve"). Replicas, the benches and :func:`stop_matrix_actor` all find it by this."""
+
+    model_id: str
+    namespace: str = DEFAULT_NAMESPACE
+    ray_namespace: ClassVar[str] = "tr_serve"
+
+    @classmethod
+    def of(cls, model_id: str, namespace: str | None = None) -> "ActorAddress":
+        return cls(model_id, namespace or DEFAULT_NAMESPACE)
+
+    @property
+    def name(self) -> str:
+        return f"tr_matrix:{self.model_id}:{self.namespace}"
 
 
-def actor_name(model_id: str, namespace: str | None = None) -> str:
-    return f"tr_matrix:{model_id}:{namespace or 'default'}"
+# what an actor and a replica must agree on (a snapshot's :class:`Identity`), in the actor's spec
+IDENTITY_KEYS = tuple(f.name for f in dataclasses.fields(Identity))
 
 
 def actor_spec(config: FleetSyncConfig, model_id: str, vocab_size: int, k: int, fingerprint: str) -> dict[str, Any]:
-    """The actor's constructor argument. The snapshot folder is resolved here, on the caller."""
+    """The actor's constructor argument: its :class:`Identity` (as ``IDENTITY_KEYS``) and its
+    snapshot settings. The snapshot folder is resolved here, on the caller."""
+    identity = Identity(model_id, int(vocab_size), int(k), fingerprint, config.namespace_name)
     return {
-        "model_id": model_id,
-        "namespace": config.namespace_name,
-        "vocab_size": int(vocab_size),
-        "k": int(k),
-        "tokenizer_fingerprint": fingerprint,
+        **dataclasses.asdict(identity),
         "snapshot_folder": str(config.snapshot_folder(model_id)),
         "snapshot_interval_s": float(config.snapshot_interval_s),
         "keep_snapshots": int(config.keep_snapshots),
@@ -67,16 +83,13 @@ def actor_spec(config: FleetSyncConfig, model_id: str, vocab_size: int, k: int, 
     }
 
 
-IDENTITY_KEYS = ("model_id", "namespace", "vocab_size", "k", "tokenizer_fingerprint")
-
-
 class MatrixActor:
     """Internal methods only (called by :class:`tr_serve.fleet.sync.MatrixSync`)."""
 
     def __init__(self, spec: dict[str, Any]):
         self.spec = dict(spec)
-        self.identity = Identity(spec["model_id"], int(spec["vocab_size"]), int(spec["k"]),
-                                 spec["tokenizer_fingerprint"], spec["namespace"])
+        self.identity = Identity(**{key: spec[key] for key in IDENTITY_KEYS})
+        self.address = ActorAddress.of(self.identity.model_id, self.identity.namespace)
         self.folder = Path(spec["snapshot_folder"])
         self.snapshot_interval_s = float(spec["snapshot_interval_s"])
         self.keep = int(spec["keep_snapshots"])
@@ -90,7 +103,7 @@ class MatrixActor:
             loaded = load_newest(self.folder, self.identity)
         except Exception as e:  # a folder we cannot list: start empty, never crash
             logger.warning("matrix actor %s: cannot read snapshots in %s (%s); starting empty",
-                           actor_name(self.identity.model_id, self.identity.namespace), self.folder, e)
+                           self.address.name, self.folder, e)
         if loaded is not None:
             self.state, meta, path = loaded
             self.version = meta.version
@@ -107,7 +120,7 @@ class MatrixActor:
         self.metrics.version.set(self.version)
         atexit.register(self._save_at_exit)
         logger.info("matrix actor %s started (epoch %s, version %d, %s)",
-                    actor_name(self.identity.model_id, self.identity.namespace), self.epoch[:8], self.version,
+                    self.address.name, self.epoch[:8], self.version,
                     f"from {self.loaded_from}" if self.loaded_from else "empty")
 
     # ---- replica-facing (internal) ---------------------------------------------------------
@@ -223,8 +236,9 @@ def get_or_create_actor(spec: dict[str, Any], num_cpus: float = 0.0):
 
     ``scheduling_strategy="DEFAULT"``: a Serve replica with placement group bundles captures child
     actors into its group, which would tie the fleet's actor to the first replica's lifetime."""
+    address = ActorAddress.of(spec["model_id"], spec["namespace"])
     return remote_actor_class().options(
-        name=actor_name(spec["model_id"], spec["namespace"]), namespace=ACTOR_NAMESPACE, lifetime="detached",
+        name=address.name, namespace=address.ray_namespace, lifetime="detached",
         get_if_exists=True, max_restarts=-1, num_cpus=num_cpus, scheduling_strategy="DEFAULT",
     ).remote(spec)
 
@@ -234,7 +248,8 @@ def get_actor(model_id: str, namespace: str | None = None):
     import ray
 
     try:
-        return ray.get_actor(actor_name(model_id, namespace), namespace=ACTOR_NAMESPACE)
+        address = ActorAddress.of(model_id, namespace)
+        return ray.get_actor(address.name, namespace=address.ray_namespace)
     except ValueError:
         return None
 

@@ -38,7 +38,7 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from tr_serve.fleet.actor import IDENTITY_KEYS, actor_name, actor_spec, get_or_create_actor
+from tr_serve.fleet.actor import IDENTITY_KEYS, ActorAddress, actor_spec, get_or_create_actor
 from tr_serve.fleet.config import FleetSyncConfig
 from tr_serve.fleet.metrics import FleetMetrics
 from tr_serve.fleet.snapshot import tokenizer_fingerprint
@@ -60,15 +60,14 @@ class MatrixSync:
     def __init__(self, engine, config: FleetSyncConfig, *, model_id: str, tokenizer=None,
                  fingerprint: str | None = None, replica_id: str | None = None):
         self.engine = engine
-        core = engine  # an EngineHandle (tr_serve/engine/core.py): AsyncEngine or Engine
-        matrix = core.matrix
+        matrix = engine.matrix  # an EngineHandle (tr_serve/engine/core.py): AsyncEngine or Engine
         self.vocab_size, self.k = int(matrix.vocab_size), int(matrix.k)
         self.config = config
         self.model_id = model_id
         if fingerprint is None:
-            fingerprint = tokenizer_fingerprint(tokenizer if tokenizer is not None else core.tokenizer)
+            fingerprint = tokenizer_fingerprint(tokenizer if tokenizer is not None else engine.tokenizer)
         self.spec = actor_spec(config, model_id, self.vocab_size, self.k, fingerprint)
-        self.name = actor_name(model_id, config.namespace_name)
+        self.name = ActorAddress.of(model_id, config.namespace_name).name
         self.replica_id = replica_id or f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
         self._shadow_rows = torch.full((self.vocab_size, self.k), EMPTY, dtype=torch.int32)
         self._shadow_ver = torch.zeros(self.vocab_size, dtype=torch.int64)
@@ -225,7 +224,7 @@ class MatrixSync:
             return None
         snap = torch.from_numpy(np.array(table, dtype=np.int32, copy=True))  # ours, not object-store memory
         del table
-        if self._core().matrix.table.device.type == "cuda":
+        if self.engine.matrix.device.type == "cuda":
             snap = snap.pin_memory()  # the copy between steps is then an async H2D on the step's stream
         await self._between_steps(lambda engine: self._adopt_between_steps(engine, snap, version))
         self._adopted_version = version
@@ -237,7 +236,7 @@ class MatrixSync:
     def _take_locked(self, engine) -> None:
         ids = engine.matrix.take_dirty_rows()
         if ids.numel():
-            rows = engine.matrix.table[ids].to("cpu")
+            rows = engine.matrix.rows(ids).to("cpu")
             ids = ids.to("cpu")
             with self._lock:
                 self._shadow_rows[ids] = rows
@@ -257,11 +256,7 @@ class MatrixSync:
             ids = keep.nonzero().flatten()
             rows = self._shadow_rows[ids]
             self._shadow_ver[(self._shadow_ver > CLEAN) & ~keep] = CLEAN  # the snapshot has them
-        table = engine.matrix.table
-        table.copy_(snap, non_blocking=snap.is_pinned())
-        if ids.numel():
-            dev = table.device
-            table[ids.to(dev)] = rows.to(dev)
+        engine.matrix.adopt(snap, keep_ids=ids, keep_rows=rows)
         dt = time.perf_counter() - t0
         self.token_path_s += dt
         self.token_path_calls += 1
@@ -300,14 +295,11 @@ class MatrixSync:
         self.restarts_seen += 1
 
     # ---- helpers ----------------------------------------------------------------------------------
-    def _core(self):
-        return self.engine
-
     async def _between_steps(self, fn: Callable) -> Any:
         call = getattr(self.engine, "call_between_steps", None)
         alive = getattr(self.engine, "alive", True)
         if call is None or not alive:  # a plain Engine, or a stopped one: nothing steps it now
-            return fn(self._core())
+            return fn(self.engine)
         return await asyncio.wait_for(call(fn), _BETWEEN_STEPS_TIMEOUT_S)
 
     async def _rpc(self, ref, timeout_s: float | None = None):

@@ -46,6 +46,26 @@ class AdjacencyMatrix:
         self.table[tokens] = top
         self._dirty[tokens] = True
 
+    @property
+    def device(self) -> torch.device:
+        return self.table.device
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """A copy of the rows ``ids`` [n]: [n, k] int32 on the matrix's device (what a replica pushes)."""
+        return self.table[ids.to(self.table.device)]
+
+    def adopt(self, table: torch.Tensor, keep_ids: torch.Tensor | None = None,
+              keep_rows: torch.Tensor | None = None) -> None:
+        """Take over ``table`` [vocab, k] (the fleet's snapshot, another matrix's table), then write
+        ``keep_rows`` [n, k] back at ``keep_ids`` [n] (this replica's own rows the snapshot does not
+        hold yet). A pinned CPU ``table`` is copied asynchronously on CUDA. The dirty set is left as
+        it is: adopted rows are not this matrix's changes to push."""
+        if tuple(table.shape) != tuple(self.table.shape):
+            raise ValueError(f"cannot adopt a table of shape {tuple(table.shape)} into {tuple(self.table.shape)}")
+        self.table.copy_(table, non_blocking=table.is_pinned())
+        if keep_ids is not None and keep_ids.numel():
+            self.table[keep_ids.to(self.table.device)] = keep_rows.to(self.table.device)
+
     def take_dirty_rows(self) -> torch.Tensor:
         """Ids of rows changed since the last call (and clear the set)."""
         ids = self._dirty.nonzero().flatten()
