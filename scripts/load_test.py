@@ -70,7 +70,8 @@ def load_config(path: Path) -> tuple[dict, dict]:
 
 def app_args(base: dict, tree: str, budget: str, max_num_seqs: int) -> dict:
     args = dict(base)
-    args.update(tree=tree, budget=budget, max_num_seqs=max_num_seqs)
+    args["engine_kwargs"] = {**args.get("engine_kwargs", {}), "tree": tree, "budget": budget,
+                             "max_num_seqs": max_num_seqs}
     # Serve's admission follows max_num_seqs (TRServeConfig's defaults: 2x ongoing, 8x queued)
     args.pop("max_ongoing_requests", None)
     args.pop("max_queued_requests", None)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from tr_serve.engine.config import EngineConfig
+from tr_serve.engine.config import DEFAULT_MODEL, EngineConfig
 from tr_serve.engine.engine import Engine
 from tr_serve.engine.prompt import ChatMessages, Prompt, encode_prompt  # re-exported: older imports read them here
 from tr_serve.engine.request import RequestOutput
@@ -18,7 +18,7 @@ __all__ = ["LLM", "ChatMessages", "Prompt", "encode_prompt"]
 class LLM:
     """Loads the model once; the engine (and its adjacency matrix) outlives every generate call."""
 
-    def __init__(self, model: str = "smollm2-135m-instruct", tree: str = DEFAULT_TREE_SETTING, k: int = 8,
+    def __init__(self, model: str = DEFAULT_MODEL, tree: str = DEFAULT_TREE_SETTING, k: int = 8,
                  loaded: LoadedModel | None = None, **engine_kwargs):
         self.config = EngineConfig(model=model, tree=tree, k=k, **engine_kwargs)
         self.loaded = loaded or load_model(model, device=self.config.device, dtype=self.config.dtype)

@@ -245,7 +245,7 @@ def test_worker_pods_fit_the_model_replicas(name):
         min_replicas = scaling.get("min_replicas", opts.get("num_replicas", 1))
         max_replicas = scaling.get("max_replicas", opts.get("num_replicas", 1))
         gpus = sum(b.get("GPU", 0) for b in opts.get("placement_group_bundles") or [])
-        if cfg.device.startswith("cuda"):
+        if cfg.engine_kwargs.device.startswith("cuda"):
             assert gpus, "a CUDA replica reserves its GPUs in a placement group"
             groups = [g for g in workers
                       if int(ray_container(g["template"]["spec"])["resources"]["limits"].get("nvidia.com/gpu", 0))

@@ -28,10 +28,7 @@ MAX_MODEL_LEN = 512
 MAX_PROMPT_CHARS = 64 * MAX_MODEL_LEN  # TRServeConfig's default
 APP_ARGS = {
     "model": MODEL,
-    "tree": "top4",
-    "max_num_seqs": 2,
-    "max_model_len": MAX_MODEL_LEN,
-    "device": "cpu",
+    "engine_kwargs": {"tree": "top4", "max_num_seqs": 2, "max_model_len": MAX_MODEL_LEN, "device": "cpu"},
     "api_keys": [KEY],
     "max_ongoing_requests": 2,
     "max_queued_requests": 2,

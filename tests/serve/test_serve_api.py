@@ -20,10 +20,7 @@ KEY = "test-key-123"
 MAX_MODEL_LEN = 512
 APP_ARGS = {
     "model": MODEL,
-    "tree": "top4",
-    "max_num_seqs": 4,
-    "max_model_len": MAX_MODEL_LEN,
-    "device": "cpu",
+    "engine_kwargs": {"tree": "top4", "max_num_seqs": 4, "max_model_len": MAX_MODEL_LEN, "device": "cpu"},
     "api_keys": [KEY],
     "max_ongoing_requests": 4,
     "max_queued_requests": 2,

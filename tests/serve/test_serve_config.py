@@ -31,7 +31,7 @@ def test_cpu_yaml_binds_loopback_port_8000_and_the_embedded_model():
     raw = yaml.safe_load((CONFIGS / "smollm2-cpu.yaml").read_text())
     assert raw["http_options"] == {"host": "127.0.0.1", "port": 8000}
     cfg = TRServeConfig.from_args(raw["applications"][0]["args"])
-    assert (cfg.model, cfg.device, cfg.tree) == ("smollm2-135m-instruct", "cpu", "auto")
+    assert (cfg.model, cfg.engine_kwargs.device, cfg.engine_kwargs.tree) == ("smollm2-135m-instruct", "cpu", "auto")
 
 
 def test_llama70b_yaml_builds_an_8_gpu_tensor_parallel_replica():
@@ -46,17 +46,21 @@ def test_llama70b_yaml_builds_an_8_gpu_tensor_parallel_replica():
     assert opts["autoscaling_config"]["min_replicas"] == 1 and opts["autoscaling_config"]["max_replicas"] == 4
     assert "num_replicas" not in opts
     assert opts["max_ongoing_requests"] == 64 and opts["max_queued_requests"] == 256
-    assert (cfg.dtype, cfg.device, cfg.tree) == ("bfloat16", "cuda", "auto")
+    e = cfg.engine_kwargs
+    assert (e.dtype, e.device, e.tree) == ("bfloat16", "cuda", "auto")
     build_app(args)  # Serve's own option checks (actor must fit the first bundle) pass
 
 
 @pytest.mark.parametrize("args, key", [
     ({"modle": "x"}, "modle"),
-    ({"k": 0}, "k"),
-    ({"max_num_seqs": "four"}, "max_num_seqs"),
-    ({"tree": "no-such-tree"}, "tree"),
-    ({"device": "gpu"}, "device"),
-    ({"dtype": "int3"}, "dtype"),
+    ({"engine_kwargs": {"k": 0}}, "k must be >= 1"),
+    ({"engine_kwargs": {"max_num_seqs": "four"}}, "engine_kwargs.max_num_seqs"),
+    ({"engine_kwargs": {"tree": "no-such-tree"}}, "tree"),
+    ({"engine_kwargs": {"device": "gpu"}}, "device"),
+    ({"engine_kwargs": {"dtype": "int3"}}, "dtype"),
+    ({"engine_kwargs": {"tre": "top4"}}, "engine_kwargs.tre: unknown key"),
+    ({"engine_kwargs": {"model": "x"}}, "engine_kwargs: `model` is set at the top level"),
+    ({"tree": "top4"}, "tree: unknown key"),  # engine settings live in engine_kwargs
     ({"ingress": {"replicas": 2}}, "ingress.replicas"),
     ({"autoscaling_config": {"min_replica": 1}}, "autoscaling_config"),
     ({"max_queued_requests": -5}, "max_queued_requests"),
@@ -72,13 +76,13 @@ def test_build_app_rejects_bad_args_naming_the_key(args, key):
 
 
 def test_server_options_defaults_follow_max_num_seqs():
-    cfg = TRServeConfig.from_args({"max_num_seqs": 3})
+    cfg = TRServeConfig.from_args({"engine_kwargs": {"max_num_seqs": 3}})
     opts = cfg.server_deployment_options()
     assert opts["max_ongoing_requests"] == 6 and opts["max_queued_requests"] == 24
     assert opts["backpressure_config"] == {"status_code": 429, "retry_after_s": 1.0}
     assert opts["num_replicas"] == 1
     assert cfg.served_model_id == "smollm2-135m-instruct"
-    gpu = TRServeConfig.from_args({"device": "cuda", "placement_group_bundles": [{"GPU": 1}] * 2})
+    gpu = TRServeConfig.from_args({"engine_kwargs": {"device": "cuda"}, "placement_group_bundles": [{"GPU": 1}] * 2})
     assert gpu.server_deployment_options()["ray_actor_options"] == {"num_gpus": 1, "num_cpus": 0}
 
 
@@ -127,14 +131,16 @@ def test_engine_options_pass_through():
 
     assert TRServeConfig.from_args({}).engine_config() == EngineConfig()  # engine defaults kept
     assert EngineConfig().tree == "auto"
-    cfg = TRServeConfig.from_args({"budget": "auto", "max_prefill_tokens": 64, "kv_cache_memory_gb": 0.5,
-                                   "cpu_kernels": "torch"})
+    cfg = TRServeConfig.from_args({"model": "m", "engine_kwargs": {"budget": "auto", "max_prefill_tokens": 64,
+                                                                   "kv_cache_memory_gb": 0.5, "cpu_kernels": "torch",
+                                                                   "online_latency": False}})
     e = cfg.engine_config()
     assert (e.budget, e.max_prefill_tokens, e.kv_cache_memory_gb, e.cpu_kernels) == ("auto", 64, 0.5, "torch")
+    assert (e.model, e.online_latency) == ("m", False)
     for bad, key in (({"budget": "smart"}, "budget"), ({"max_prefill_tokens": 0}, "max_prefill_tokens"),
                      ({"kv_cache_memory_gb": 0}, "kv_cache_memory_gb"), ({"cpu_kernels": "fast"}, "cpu_kernels")):
         with pytest.raises(ConfigError, match=key):
-            TRServeConfig.from_args(bad)
+            TRServeConfig.from_args({"engine_kwargs": bad})
 
 
 def test_engine_load_from_async_engine_stats():
@@ -168,7 +174,7 @@ def test_health_check_fails_once_the_engine_is_not_alive():
 
 
 def test_edge_limits_default_from_max_model_len():
-    cfg = TRServeConfig.from_args({"max_model_len": 512})
+    cfg = TRServeConfig.from_args({"engine_kwargs": {"max_model_len": 512}})
     assert cfg.resolved_max_prompt_chars() == 64 * 512
     assert cfg.resolved_max_request_bytes() == 4 * 64 * 512 + 65536
     assert (cfg.max_json_depth, cfg.drain_timeout_s) == (32, 30.0)

@@ -27,7 +27,7 @@ def test_cpu_tp_yaml_reserves_the_replica_and_three_workers():
     config = yaml.safe_load((ROOT / "configs" / "smollm2-cpu-tp.yaml").read_text())
     assert config["http_options"] == {"host": "127.0.0.1", "port": 8000}
     cfg = TRServeConfig.from_args(config["applications"][0]["args"])
-    assert cfg.tensor_parallel_size == 3 and cfg.tree == "top4" and cfg.device == "cpu"
+    assert cfg.tensor_parallel_size == 3 and cfg.engine_kwargs.tree == "top4" and cfg.engine_kwargs.device == "cpu"
     opts = cfg.server_deployment_options()
     assert opts["placement_group_bundles"] == [{"CPU": 0.5}] * 4  # bundle 0: replica; 1..3: workers
     assert sum(b["CPU"] for b in opts["placement_group_bundles"]) <= 2  # schedulable on a 2-core machine

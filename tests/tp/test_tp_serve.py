@@ -31,7 +31,7 @@ def app_args() -> dict:
     args = dict(config["applications"][0]["args"])
     assert args["tensor_parallel_size"] == 3
     args["health_check_period_s"] = 1  # notice the dead worker within seconds
-    args["max_model_len"] = 1024
+    args["engine_kwargs"] = {**args["engine_kwargs"], "max_model_len": 1024}
     # fleet sync on, as it works under TP: the replacement replica adopts the first one's rows
     args["fleet"] = {"enabled": True, "namespace": f"tp-serve-{uuid.uuid4().hex[:8]}",
                      "snapshot_dir": tempfile.mkdtemp(prefix="tp_serve_fleet_"), "sync_interval_s": 1}

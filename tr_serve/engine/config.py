@@ -1,12 +1,17 @@
-"""Engine configuration, validated once when the engine is built."""
+"""Engine configuration, validated once when it is made: by ``LLM``, the benches, and the Serve
+config (``engine_kwargs`` of ``tr_serve.serve.config.TRServeConfig`` is this dataclass)."""
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 from tr_serve.tr.tree_spec import DEFAULT_TREE_SETTING, is_plain, parse_tree_spec
 
+# the model tr_serve serves when none is named: the embedded SmolLM2-135M-Instruct (model_loader.py)
+DEFAULT_MODEL = "smollm2-135m-instruct"
 CPU_KERNEL_MODES = ("auto", "torch")  # measured kernel per token count (runner/cpu_kernels.py), or F.linear
+DEVICE = re.compile(r"^(cpu|mps|cuda(:\d+)?)$")
 
 
 @dataclass(frozen=True)
@@ -17,7 +22,7 @@ class EngineConfig:
     verifies, each step, the nodes of it that maximise expected tokens per second (calibrated
     latency x online acceptance); ``"fixed"`` always verifies the whole template."""
 
-    model: str = "smollm2-135m-instruct"
+    model: str = DEFAULT_MODEL
     tree: str = DEFAULT_TREE_SETTING
     k: int = 8
     max_num_seqs: int = 8
@@ -52,6 +57,8 @@ class EngineConfig:
             raise ValueError(str(e)) from None
         if self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
+        if isinstance(self.device, str) and not DEVICE.match(self.device):
+            raise ValueError(f"unknown device {self.device!r}: use cpu, cuda, cuda:N or mps")
         import torch
 
         from tr_serve.model_loader import parse_dtype  # "auto": float32 on CPU (README: bfloat16 on CPU)

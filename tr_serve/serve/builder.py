@@ -4,7 +4,7 @@
 
     applications:
       - import_path: tr_serve.serve.builder:build_app
-        args: {model: smollm2-135m-instruct, tree: top4, ...}   # TRServeConfig
+        args: {model: smollm2-135m-instruct, engine_kwargs: {tree: top4}, ...}   # TRServeConfig
 
 It validates ``args`` first (an unknown key or a bad value raises ``ConfigError`` naming it, which
 stops the deployment), then binds one ``LLMServer`` deployment and the ``OpenAIIngress`` in front.
@@ -58,7 +58,8 @@ def build_openai_app(configs: Sequence[TRServeConfig | dict],
     edge = ingress_config or configs[0]
     created = int(time.time())
     servers = {c.served_model_id: build_llm_deployment(c) for c in configs}
-    cards = {c.served_model_id: model_card(c.served_model_id, created, c.max_model_len, c.model) for c in configs}
+    cards = {c.served_model_id: model_card(c.served_model_id, created, c.engine_kwargs.max_model_len, c.model)
+             for c in configs}
     keys = sorted(set(k for c in configs for k in c.resolved_api_keys()))
     limits = {"max_request_bytes": max(c.resolved_max_request_bytes() for c in configs),
               "max_json_depth": edge.max_json_depth, "drain_timeout_s": edge.drain_timeout_s,

@@ -2,19 +2,21 @@
 
 ``build_app(args)`` (the ``args:`` of a Serve YAML) goes through ``TRServeConfig.from_args``, which
 rejects unknown keys and bad values with a message naming the key, so a typo stops the deployment
-instead of being dropped. Engine fields map 1:1 onto ``tr_serve.engine.config.EngineConfig``;
-the Serve fields are passed to ``serve.deployment(...).options(...)`` for the model server.
+instead of being dropped. As in Ray Serve LLM, the engine's settings are nested under
+``engine_kwargs``: that is ``tr_serve.engine.config.EngineConfig`` itself (declared and validated
+there, once), with ``model`` at the top level; the Serve fields are passed to
+``serve.deployment(...).options(...)`` for the model server.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
-import re
 from typing import Any, Literal, Optional, Union
 
-from pydantic import (BaseModel, ConfigDict, Field, SecretStr, ValidationError, ValidationInfo, field_validator,
-                      model_validator)
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator, model_validator
 
+from tr_serve.engine.config import DEFAULT_MODEL, EngineConfig
 from tr_serve.fleet.config import FleetSyncConfig
 
 API_KEYS_ENV = "TR_SERVE_API_KEYS"
@@ -24,8 +26,9 @@ BODY_BYTES_PER_CHAR = 4  # JSON-escaped text takes up to 6 bytes a character, UT
 BODY_OVERHEAD_BYTES = 64 * 1024  # fields other than the prompt
 INGRESS_SHUTDOWN_MARGIN_S = 5.0  # the ingress outlives the model server's drain by this much
 
-_DEVICE = re.compile(r"^(cpu|mps|cuda(:\d+)?)$")
-_DTYPES = ("auto", "float32", "fp32", "bfloat16", "bf16", "float16", "fp16")
+
+
+ENGINE_FIELDS = frozenset(f.name for f in dataclasses.fields(EngineConfig))
 
 
 class ConfigError(ValueError):
@@ -72,28 +75,16 @@ class TRServeConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", protected_namespaces=())
 
-    # ---- model and engine (tr_serve.engine.config.EngineConfig) ----------------------------
-    model: str = Field(default="smollm2-135m-instruct", min_length=1,
+    # ---- model and engine ---------------------------------------------------------------------
+    model: str = Field(default=DEFAULT_MODEL, min_length=1,
                        description="directory, .gguf file, hub id, or the embedded alias")
     model_id: Optional[str] = Field(default=None, min_length=1,
                                     description="name clients send in `model`; default: `model`")
-    # k comes before tree: the tree is checked against it
-    k: int = Field(default=8, ge=1, description="matrix candidates per token")
-    tree: str = Field(default="auto", min_length=1, description="'auto' (cost-aware hybrid), a template name or JSON file, '<template>+ctx' (hybrid), 'pld', or 'none'")
-    max_num_seqs: int = Field(default=8, ge=1)
-    max_model_len: int = Field(default=2048, ge=2)
-    device: str = "cpu"
-    dtype: str = "auto"
-    prompt_seeding: bool = True
-    budget: Literal["fixed", "auto"] = Field(
-        default="fixed", description="tree budget: 'fixed' = whole template, 'auto' = cost-aware prefix per step")
-    max_prefill_tokens: int = Field(default=512, ge=1, description="prompt tokens per prefill step (chunked prefill)")
-    kv_cache_memory_gb: Optional[float] = Field(default=None, gt=0,
-                                                description="caps KV rows x max_model_len; default: max_num_seqs rows")
+    engine_kwargs: EngineConfig = Field(
+        default_factory=EngineConfig, description="the engine's settings (tr_serve.engine.config.EngineConfig: "
+                                                  "tree, k, max_num_seqs, max_model_len, device, dtype, budget, ...) "
+                                                  "but `model`, validated by the engine's own checks")
     cpu_threads: Optional[int] = Field(default=None, ge=1, description="torch.set_num_threads in the model replica")
-    cpu_kernels: Literal["auto", "torch"] = Field(
-        default="auto", description="float32 on CPU: 'auto' = fastest measured linear kernel per token count, "
-                                    "'torch' = torch's F.linear")
     fleet: FleetSyncConfig = Field(default_factory=FleetSyncConfig,
                                    description="fleet-wide hot start: replicas share one adjacency matrix (tr_serve.fleet)")
     tensor_parallel_size: int = Field(default=1, ge=1, description="ranks the model is split over (tr_serve.tp); "
@@ -137,26 +128,19 @@ class TRServeConfig(BaseModel):
     graceful_shutdown_timeout_s: Optional[float] = Field(default=None, ge=0)
 
     # ---- validators -------------------------------------------------------------------------
-    @field_validator("device")
+    @field_validator("engine_kwargs", mode="before")
     @classmethod
-    def _device(cls, v: str) -> str:
-        if not _DEVICE.match(v):
-            raise ValueError(f"unknown device {v!r}: use cpu, cuda, cuda:N or mps")
+    def _engine_model(cls, v):
+        if isinstance(v, dict) and "model" in v:
+            raise ValueError("`model` is set at the top level of the config, not in engine_kwargs")
         return v
 
-    @field_validator("dtype")
+    @field_validator("engine_kwargs")
     @classmethod
-    def _dtype(cls, v: str) -> str:
-        if v not in _DTYPES:
-            raise ValueError(f"unknown dtype {v!r}: use one of {list(_DTYPES)}")
-        return v
-
-    @field_validator("tree")
-    @classmethod
-    def _tree(cls, v: str, info: ValidationInfo) -> str:
+    def _engine_tree(cls, v: EngineConfig) -> EngineConfig:
         from tr_serve.tr.tree_spec import validate_tree_spec
 
-        validate_tree_spec(v, info.data.get("k", 8))  # a ValueError that names the problem
+        validate_tree_spec(v.tree, v.k, v.budget)  # the template loads: a ValueError that names the problem
         return v
 
     @field_validator("num_replicas")
@@ -181,10 +165,6 @@ class TRServeConfig(BaseModel):
     @model_validator(mode="after")
     def _cross(self):
         _check_scaling(self.num_replicas, self.autoscaling_config, self.model_fields_set)
-        try:
-            self.engine_config()
-        except (TypeError, ValueError) as e:  # the engine's own checks
-            raise ValueError(f"engine config: {e}") from None
         if self.placement_group_strategy is not None and self.placement_group_bundles is None:
             raise ValueError("placement_group_strategy needs placement_group_bundles")
         tp, bundles = self.tensor_parallel_size, self.placement_group_bundles
@@ -198,17 +178,12 @@ class TRServeConfig(BaseModel):
     def served_model_id(self) -> str:
         return self.model_id or self.model
 
-    def engine_config(self):
-        from tr_serve.engine.config import EngineConfig
-
-        return EngineConfig(model=self.model, tree=self.tree, k=self.k, max_num_seqs=self.max_num_seqs,
-                            max_model_len=self.max_model_len, device=self.device, dtype=self.dtype,
-                            prompt_seeding=self.prompt_seeding, max_prefill_tokens=self.max_prefill_tokens,
-                            kv_cache_memory_gb=self.kv_cache_memory_gb, budget=self.budget,
-                            cpu_kernels=self.cpu_kernels)
+    def engine_config(self) -> EngineConfig:
+        """``engine_kwargs`` with the top-level ``model``: what the replica's engine is built with."""
+        return dataclasses.replace(self.engine_kwargs, model=self.model)
 
     def resolved_max_prompt_chars(self) -> int:
-        return self.max_prompt_chars or PROMPT_CHARS_PER_TOKEN * self.max_model_len
+        return self.max_prompt_chars or PROMPT_CHARS_PER_TOKEN * self.engine_kwargs.max_model_len
 
     def resolved_max_request_bytes(self) -> int:
         return self.max_request_bytes or BODY_BYTES_PER_CHAR * self.resolved_max_prompt_chars() + BODY_OVERHEAD_BYTES
@@ -221,10 +196,10 @@ class TRServeConfig(BaseModel):
 
     def server_deployment_options(self) -> dict[str, Any]:
         """Options for ``serve.deployment(LLMServer).options(**...)``."""
+        seqs = self.engine_kwargs.max_num_seqs
         opts: dict[str, Any] = {
-            "max_ongoing_requests": self.max_ongoing_requests or 2 * self.max_num_seqs,
-            "max_queued_requests": self.max_queued_requests if self.max_queued_requests is not None
-            else 8 * self.max_num_seqs,
+            "max_ongoing_requests": self.max_ongoing_requests or 2 * seqs,
+            "max_queued_requests": self.max_queued_requests if self.max_queued_requests is not None else 8 * seqs,
             "backpressure_config": {"status_code": self.backpressure_status_code,
                                     "retry_after_s": self.retry_after_s},
         }
@@ -234,7 +209,7 @@ class TRServeConfig(BaseModel):
             opts["num_replicas"] = self.num_replicas
         actor = dict(self.ray_actor_options or {})
         first_bundle = self.placement_group_bundles[0] if self.placement_group_bundles else None
-        if self.device.startswith("cuda") and "num_gpus" not in actor:
+        if self.engine_kwargs.device.startswith("cuda") and "num_gpus" not in actor:
             actor["num_gpus"] = 1 if first_bundle is None else min(1, first_bundle.get("GPU", 0))
         if first_bundle is not None and "num_cpus" not in actor:
             # the replica actor lives in the first bundle: by default it takes that bundle's CPUs
@@ -313,8 +288,12 @@ def format_validation_error(e: ValidationError) -> str:
     for err in e.errors():
         key = ".".join(str(p) for p in err["loc"]) or "(config)"
         msg = _strip(err["msg"])
-        if err["type"] == "extra_forbidden":
+        if err["type"] == "unexpected_keyword_argument":
+            msg = "unknown key (not a tr_serve.engine.config.EngineConfig field)"
+        elif err["type"] == "extra_forbidden":
             msg = "unknown key (not a tr_serve config field)"
+            if key in ENGINE_FIELDS:
+                msg += f"; engine settings go under engine_kwargs: {{{key}: ...}}"
         lines.append(f"{key}: {msg}")
     return "invalid tr_serve config: " + "; ".join(lines)
 

@@ -106,8 +106,8 @@ class LLMServer:
         except Exception:  # outside a Serve replica (direct construction in tests)
             replica = None
         return {"model": self.model_id, "replica": replica, **engine_load(self.engine.stats()),
-                "max_num_seqs": self.config.max_num_seqs,
-                "tree": self.config.tree, "engine_alive": self.engine.alive,
+                "max_num_seqs": self.config.engine_kwargs.max_num_seqs,
+                "tree": self.config.engine_kwargs.tree, "engine_alive": self.engine.alive,
                 "requests_finished": self.num_finished, "requests_aborted": self.num_aborted,
                 "fleet": self.fleet.stats() if getattr(self, "fleet", None) is not None else None}
 
@@ -195,7 +195,7 @@ class LLMServer:
     def _tr(self, stats) -> dict[str, Any]:
         return {"mat": round(stats.mat, 4), "verification_steps": stats.verification_steps,
                 "accepted_per_step": stats.accepted_per_step,  # RequestOutput.stats is a snapshot
-                "tree_nodes_per_step": stats.tree_nodes_per_step, "tree": self.config.tree}
+                "tree_nodes_per_step": stats.tree_nodes_per_step, "tree": self.config.engine_kwargs.tree}
 
     async def _full(self, request: OpenAIRequest, request_id: str) -> Union[dict, APIError]:
         prepared = await self._prepare_off_loop(request)

@@ -30,6 +30,7 @@ class TreeSpec:
 
     @property
     def plain(self) -> bool:
+        """The tree is off: ``is_plain`` of the setting this spec was parsed from."""
         return self.template is None and not self.context
 
     @property
@@ -38,6 +39,7 @@ class TreeSpec:
 
 
 def is_plain(spec: str) -> bool:
+    """The one test of "this tree setting turns Token Recycling off" (plain decoding)."""
     return spec.strip().lower() in PLAIN_NAMES
 
 
