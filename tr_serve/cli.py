@@ -140,8 +140,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     wall = time.perf_counter() - t0
 
     n = len(out.token_ids)
-    steps = len(out.stats.accepted_per_step)
-    mat = (n - 1) / steps if steps else float("nan")
+    steps = out.stats.verification_steps
     reason = getattr(out.finish_reason, "value", out.finish_reason)
     print(out.text)
     print()
@@ -151,7 +150,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     print(f"prompt tokens:      {len(prompt_ids)}")
     print(f"tokens:             {n}")
     print(f"verification steps: {steps} (+1 prefill)")
-    print(f"MAT:                {'n/a' if steps == 0 else f'{mat:.2f}'}")
+    print(f"MAT:                {'n/a' if steps == 0 else f'{out.stats.mat:.2f}'}")
     print(f"tokens/s:           {n / wall:.2f}" if wall > 0 else "tokens/s:           n/a")
     print(f"wall time:          {wall:.2f} s")
     print(f"finish reason:      {reason}")
