@@ -80,6 +80,16 @@ def main(argv: Sequence[str] | None = None) -> int:
 def run(args: argparse.Namespace) -> int:
     """Run both engines on the same requests, print the comparison, write ``--json``."""
     quiet_transformers()
+    result = measure(args)
+    print(format_result(result))
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=2))
+    return 0
+
+
+def measure(args: argparse.Namespace) -> dict:
+    """The same greedy requests through ``Engine`` over the local runner and over a ``TPModelRunner``:
+    per-question agreement, step times, the TP phase split and what crossed to the workers."""
     torch.set_num_threads(args.threads)
 
     from tr_serve.bench.summary import logit_gap_at
@@ -111,7 +121,7 @@ def run(args: argparse.Namespace) -> int:
         gap = None if mismatch is None else logit_gap_at(loaded, q.prompt_ids, a, mismatch)["top2_logit_gap"]
         rows.append({"question_id": q.question_id, "tokens": len(a), "identical": i is None, "first_difference": i,
                      "top2_gap": gap})
-    result = {
+    return {
         "tp": args.tp, "tree": args.tree, "questions": len(rows), "max_tokens": args.max_tokens,
         "identical": sum(r["identical"] for r in rows), "tokens_compared": sum(r["tokens"] for r in rows),
         "steps_tp1": len(ref_times), "steps_tp": len(tp_times),
@@ -124,19 +134,24 @@ def run(args: argparse.Namespace) -> int:
         "bytes_back_per_step_tp": (transfer.bytes_back - start.bytes_back) / len(tp_times),
         "rows": rows,
     }
-    for r in rows:
-        print(f"q{r['question_id']}: {r['tokens']} tokens, "
-              + ("identical" if r["identical"] else f"differs at {r['first_difference']} (top-2 gap {r['top2_gap']:.2e})"))
-    print(f"{result['identical']}/{result['questions']} identical ({result['tokens_compared']} tokens); "
-          f"mean step: tp1 {result['mean_step_s_tp1'] * 1e3:.1f} ms over {result['steps_tp1']} steps, "
-          f"tp{args.tp} {result['mean_step_s_tp'] * 1e3:.1f} ms over {result['steps_tp']} steps")
-    print(f"tp{args.tp} per step: {result['ray_messages_per_step_tp']:.1f} Ray messages, "
-          f"{result['bytes_out_per_step_tp'] / 1e3:.1f} kB out, {result['bytes_back_per_step_tp'] / 1e6:.2f} MB back; "
-          + ", ".join(f"{k} {v:.1f} ms" for k, v in result["phase_ms_per_step_tp"].items()))
-    if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=2))
-    return 0
 
+
+def format_result(result: dict) -> str:
+    """One line per question (identical, or where it differs and the top-2 logit gap there), then
+    the step times and the per-step traffic of the TP engine."""
+    tp = result["tp"]
+    lines = [f"q{r['question_id']}: {r['tokens']} tokens, " + ("identical" if r["identical"] else
+                                                              f"differs at {r['first_difference']} "
+                                                              f"(top-2 gap {r['top2_gap']:.2e})")
+             for r in result["rows"]]
+    lines.append(f"{result['identical']}/{result['questions']} identical ({result['tokens_compared']} tokens); "
+                 f"mean step: tp1 {result['mean_step_s_tp1'] * 1e3:.1f} ms over {result['steps_tp1']} steps, "
+                 f"tp{tp} {result['mean_step_s_tp'] * 1e3:.1f} ms over {result['steps_tp']} steps")
+    lines.append(f"tp{tp} per step: {result['ray_messages_per_step_tp']:.1f} Ray messages, "
+                 f"{result['bytes_out_per_step_tp'] / 1e3:.1f} kB out, "
+                 f"{result['bytes_back_per_step_tp'] / 1e6:.2f} MB back; "
+                 + ", ".join(f"{k} {v:.1f} ms" for k, v in result["phase_ms_per_step_tp"].items()))
+    return "\n".join(lines)
 
 if __name__ == "__main__":
     sys.exit(main())
