@@ -21,9 +21,7 @@ from typing import Sequence
 
 from tr_serve.cli_args import (OneLineErrorParser, UsageError, check_model_arg, positive_int, positive_int_list,
                                quiet_transformers)
-
-DEFAULT_MODEL = "smollm2-135m-instruct"
-
+from tr_serve.engine.config import DEFAULT_MODEL
 
 def build_parser() -> OneLineErrorParser:
     from tr_serve.bench import spec_bench
@@ -111,7 +109,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     check_model_arg(args.model)
 
-    from tr_serve.engine.engine import PromptTooLongError
+    from tr_serve.engine.errors import PromptTooLongError
     from tr_serve.engine.prompt import encode_prompt
     from tr_serve.llm import LLM
     from tr_serve.model_loader import load_model

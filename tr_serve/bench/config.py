@@ -9,9 +9,8 @@ from dataclasses import dataclass
 from tr_serve.bench.questions import DEFAULT_QUESTIONS
 from tr_serve.bench.records import BenchError
 from tr_serve.cli_args import missing_model_path
-from tr_serve.engine.config import CPU_KERNEL_MODES
+from tr_serve.engine.config import CPU_KERNEL_MODES, DEFAULT_MODEL
 
-DEFAULT_MODEL = "smollm2-135m-instruct"
 DEFAULT_JSON = os.path.join("bench_out", "bench.json")
 SEEDING_MODES = ("off", "on", "both")
 

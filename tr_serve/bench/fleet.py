@@ -34,11 +34,12 @@ import uuid
 from pathlib import Path
 from typing import Any, Sequence
 
-from tr_serve.bench.config import DEFAULT_MODEL, resolve_device
+from tr_serve.bench.config import resolve_device
 from tr_serve.bench.local_ray import local_ray
 from tr_serve.bench.questions import DEFAULT_QUESTIONS, encode_questions, split_questions
 from tr_serve.bench.records import BenchError, Question, read_questions
 from tr_serve.cli_args import add_command, positive_float, positive_int, quiet_transformers, run_standalone
+from tr_serve.engine.config import DEFAULT_MODEL
 
 DEFAULT_JSON = os.path.join("bench_out", "bench_fleet.json")
 TARGETS = {"fleet_over_cold": 1.05, "token_path_overhead": 0.01, "adopt_ms": 20.0}

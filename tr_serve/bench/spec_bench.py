@@ -13,11 +13,11 @@ import sys
 from pathlib import Path
 from typing import Sequence
 
-from tr_serve.bench.config import DEFAULT_JSON, DEFAULT_MODEL, SEEDING_MODES, BenchConfig
+from tr_serve.bench.config import DEFAULT_JSON, SEEDING_MODES, BenchConfig
 from tr_serve.bench.questions import DEFAULT_QUESTIONS
 from tr_serve.bench.records import BenchError
 from tr_serve.cli_args import non_negative_int, positive_int, run_standalone
-from tr_serve.engine.config import CPU_KERNEL_MODES
+from tr_serve.engine.config import CPU_KERNEL_MODES, DEFAULT_MODEL
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -55,7 +55,7 @@ def run_engine(engine, prompts: list[list[int]], max_tokens: int) -> tuple[list[
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from tr_serve.bench.config import DEFAULT_MODEL
+    from tr_serve.engine.config import DEFAULT_MODEL
 
     p.add_argument("--model", default=DEFAULT_MODEL)
     p.add_argument("--tp", type=positive_int, default=3, help="tensor-parallel workers (default: 3)")
