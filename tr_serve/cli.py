@@ -82,32 +82,8 @@ def build_parser() -> OneLineErrorParser:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    import torch
-
-    from tr_serve.engine.config import EngineConfig
-    from tr_serve.model_loader import parse_dtype
-    from tr_serve.tr.tree_spec import validate_tree_spec
-
-    if not args.prompt.strip():
-        raise UsageError("--prompt is empty")
-    if args.device == "auto":
-        args.device = "cuda" if torch.cuda.is_available() else "cpu"
-    tree = "none" if args.no_tr else args.tree
-    try:
-        spec = validate_tree_spec(tree, args.k)
-    except ValueError as e:
-        raise UsageError(str(e)) from None
-    speculative = not spec.plain
-    try:
-        EngineConfig(model=args.model, tree=tree, k=args.k, max_num_seqs=1, device=args.device, dtype=args.dtype)
-        parse_dtype(args.dtype, args.device)
-    except ValueError as e:
-        raise UsageError(str(e)) from None
-    if args.device.startswith("cuda"):
-        if not torch.cuda.is_available():
-            raise UsageError(f"--device {args.device}: CUDA is not available on this machine")
-
-    check_model_arg(args.model)
+    """``tr-serve generate``: one greedy answer, then its Token Recycling statistics."""
+    tree = _check_generate_args(args)
 
     from tr_serve.engine.errors import PromptTooLongError
     from tr_serve.engine.prompt import encode_prompt
@@ -137,22 +113,57 @@ def cmd_generate(args: argparse.Namespace) -> int:
         raise UsageError(str(e)) from None
     wall = time.perf_counter() - t0
 
+    print(out.text)
+    print()
+    print(_generation_stats(out, len(prompt_ids), tree, args.k, wall))
+    return 0
+
+
+def _check_generate_args(args: argparse.Namespace) -> str:
+    """Refuse bad ``generate`` arguments before the model loads (``--device auto`` is resolved in
+    ``args``); the tree setting to run."""
+    import torch
+
+    from tr_serve.engine.config import EngineConfig
+    from tr_serve.model_loader import parse_dtype
+    from tr_serve.tr.tree_spec import validate_tree_spec
+
+    if not args.prompt.strip():
+        raise UsageError("--prompt is empty")
+    if args.device == "auto":
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    tree = "none" if args.no_tr else args.tree
+    try:
+        validate_tree_spec(tree, args.k)
+        EngineConfig(model=args.model, tree=tree, k=args.k, max_num_seqs=1, device=args.device, dtype=args.dtype)
+        parse_dtype(args.dtype, args.device)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    if args.device.startswith("cuda"):
+        if not torch.cuda.is_available():
+            raise UsageError(f"--device {args.device}: CUDA is not available on this machine")
+    check_model_arg(args.model)
+    return tree
+
+
+def _generation_stats(out, prompt_tokens: int, tree: str, k: int, wall: float) -> str:
+    """The statistics block printed under the answer."""
+    from tr_serve.tr.tree_spec import is_plain
+
     n = len(out.token_ids)
     steps = out.stats.verification_steps
     reason = getattr(out.finish_reason, "value", out.finish_reason)
-    print(out.text)
-    print()
-    header = f"Token Recycling: tree {tree}, k={args.k}" if speculative \
-        else "plain greedy decoding (no TR)"
-    print(f"--- {header} ---")
-    print(f"prompt tokens:      {len(prompt_ids)}")
-    print(f"tokens:             {n}")
-    print(f"verification steps: {steps} (+1 prefill)")
-    print(f"MAT:                {'n/a' if steps == 0 else f'{out.stats.mat:.2f}'}")
-    print(f"tokens/s:           {n / wall:.2f}" if wall > 0 else "tokens/s:           n/a")
-    print(f"wall time:          {wall:.2f} s")
-    print(f"finish reason:      {reason}")
-    return 0
+    header = "plain greedy decoding (no TR)" if is_plain(tree) else f"Token Recycling: tree {tree}, k={k}"
+    return "\n".join([
+        f"--- {header} ---",
+        f"prompt tokens:      {prompt_tokens}",
+        f"tokens:             {n}",
+        f"verification steps: {steps} (+1 prefill)",
+        f"MAT:                {'n/a' if steps == 0 else f'{out.stats.mat:.2f}'}",
+        f"tokens/s:           {n / wall:.2f}" if wall > 0 else "tokens/s:           n/a",
+        f"wall time:          {wall:.2f} s",
+        f"finish reason:      {reason}",
+    ])
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
