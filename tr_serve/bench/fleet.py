@@ -37,7 +37,7 @@ from typing import Any, Sequence
 from tr_serve.bench.config import resolve_device
 from tr_serve.bench.local_ray import local_ray
 from tr_serve.bench.questions import DEFAULT_QUESTIONS, encode_questions, split_questions
-from tr_serve.bench.records import BenchError, Question, read_questions
+from tr_serve.bench.records import BenchError, Question, read_questions, round_floats
 from tr_serve.cli_args import add_command, positive_float, positive_int, quiet_transformers, run_standalone
 from tr_serve.engine.config import DEFAULT_MODEL
 
@@ -132,8 +132,7 @@ async def _bench(args, loaded, warm: list[Question], measure: list[Question], sn
         adopt_round_trip_ms = (time.perf_counter() - t0) * 1e3
         if first["error"] is not None or not sync_b.adopt_s:
             raise BenchError(f"replica B could not adopt the fleet snapshot: {first}")
-        adopt_ms = sync_b.adopt_s[0] * 1e3
-        log(f"B adopted version {sync_b.adopted_version} in {adopt_ms:.2f} ms between steps "
+        log(f"B adopted version {sync_b.adopted_version} in {sync_b.adopt_s[0] * 1e3:.2f} ms between steps "
             f"({adopt_round_trip_ms:.1f} ms with the poll and fetch)")
         sync_b.start()
 
@@ -155,20 +154,25 @@ async def _bench(args, loaded, warm: list[Question], measure: list[Question], sn
         for e in engines:
             e.shutdown()
 
-    base = [o.token_ids for o in runs["plain"]]
-    same = {n: [o.token_ids == t for o, t in zip(runs[n], base)] for n in names}
-    identical = all(all(same[n]) for n in ("cold", "fleet_warm", "local_warm"))
-    mats = {n: outputs_mat(runs[n]) for n in names}
+    sync = _sync_figures(args, sync_a, sync_b, clock_a, clock_b, token_path_b0, calls_b0, info, adopt_round_trip_ms,
+                         warm_rows=int(a.matrix.num_filled_rows()))
+    return {**_mat_figures(runs, sync), "warm_seconds": warm_s, "measure_seconds": measure_s,
+            "warm_mat": outputs_mat(warm_outs), "per_question": _per_question(runs, measure)}
+
+
+WARMED = ("cold", "fleet_warm", "local_warm")  # the replicas compared with plain decoding
+
+
+def _sync_figures(args, sync_a, sync_b, clock_a: StepClock, clock_b: StepClock, token_path_b0: float, calls_b0: int,
+                  info: dict, adopt_round_trip_ms: float, warm_rows: int) -> dict[str, Any]:
+    """The ``sync`` entry: time the sync took on the token path against step time (warm replica A
+    over the whole run, fleet replica B while measured), adoption times, pushes, the actor's state."""
     b_token_path = sync_b.token_path_s - token_path_b0
-    overhead_a = sync_a.token_path_s / clock_a.seconds if clock_a.seconds else 0.0
-    overhead_b = b_token_path / clock_b.seconds if clock_b.seconds else 0.0
-    overhead_all = (sync_a.token_path_s + b_token_path) / max(1e-12, clock_a.seconds + clock_b.seconds)
-    fleet_over_cold = mats["fleet_warm"] / mats["cold"] if mats["cold"] else float("nan")
-    sync = {
+    return {
         "sync_interval_s": args.sync_interval_s,
-        "token_path_overhead": overhead_all,
-        "token_path_overhead_warm_replica": overhead_a,
-        "token_path_overhead_fleet_replica": overhead_b,
+        "token_path_overhead": (sync_a.token_path_s + b_token_path) / max(1e-12, clock_a.seconds + clock_b.seconds),
+        "token_path_overhead_warm_replica": sync_a.token_path_s / clock_a.seconds if clock_a.seconds else 0.0,
+        "token_path_overhead_fleet_replica": b_token_path / clock_b.seconds if clock_b.seconds else 0.0,
         "token_path_ms": {"warm_replica": sync_a.token_path_s * 1e3, "fleet_replica": b_token_path * 1e3},
         "token_path_calls": {"warm_replica": sync_a.token_path_calls,
                              "fleet_replica": sync_b.token_path_calls - calls_b0},
@@ -176,7 +180,7 @@ async def _bench(args, loaded, warm: list[Question], measure: list[Question], sn
         "steps": {"warm_replica": clock_a.steps, "fleet_replica": clock_b.steps},
         "mean_step_ms": {"warm_replica": 1e3 * clock_a.seconds / max(1, clock_a.steps),
                          "fleet_replica": 1e3 * clock_b.seconds / max(1, clock_b.steps)},
-        "adopt_ms": adopt_ms,
+        "adopt_ms": sync_b.adopt_s[0] * 1e3,
         "adopt_ms_max": max(sync_b.adopt_s) * 1e3,
         "adoptions": len(sync_b.adopt_s),
         "adopt_round_trip_ms": adopt_round_trip_ms,
@@ -184,9 +188,22 @@ async def _bench(args, loaded, warm: list[Question], measure: list[Question], sn
         "rows_pushed_warm_replica": sync_a.rows_pushed,
         "actor_version_after_warm": info["version"],
         "fleet_rows": info["filled_rows"],
-        "warm_replica_rows": int(a.matrix.num_filled_rows()),
+        "warm_replica_rows": warm_rows,
         "sync_errors": sync_a.errors + sync_b.errors,
     }
+
+
+def _same_as_plain(runs: dict[str, list]) -> dict[str, list[bool]]:
+    """Per warmed replica, per measured question: its tokens equal plain decoding's."""
+    base = [o.token_ids for o in runs["plain"]]
+    return {n: [o.token_ids == t for o, t in zip(runs[n], base)] for n in WARMED}
+
+
+def _mat_figures(runs: dict[str, list], sync: dict[str, Any]) -> dict[str, Any]:
+    """MAT per replica, ``identical``, fleet-warm over cold, and the targets they are held to."""
+    identical = all(all(same) for same in _same_as_plain(runs).values())
+    mats = {n: outputs_mat(runs[n]) for n in WARMED}
+    fleet_over_cold = mats["fleet_warm"] / mats["cold"] if mats["cold"] else float("nan")
     return {
         "cold_mat": mats["cold"],
         "fleet_warm_mat": mats["fleet_warm"],
@@ -199,18 +216,18 @@ async def _bench(args, loaded, warm: list[Question], measure: list[Question], sn
             "token_path_overhead_max": TARGETS["token_path_overhead"],
             "adopt_ms_max": TARGETS["adopt_ms"],
             "met": bool(identical and fleet_over_cold >= TARGETS["fleet_over_cold"]
-                        and overhead_all < TARGETS["token_path_overhead"] and sync["adopt_ms_max"] < TARGETS["adopt_ms"]),
+                        and sync["token_path_overhead"] < TARGETS["token_path_overhead"]
+                        and sync["adopt_ms_max"] < TARGETS["adopt_ms"]),
         },
-        "warm_seconds": warm_s,
-        "measure_seconds": measure_s,
-        "warm_mat": outputs_mat(warm_outs),
-        "per_question": [
-            {"question_id": q.question_id, "category": q.category, "new_tokens": len(runs["plain"][i].token_ids),
-             **{f"{n}_mat": runs[n][i].stats.mat for n in ("cold", "fleet_warm", "local_warm")},
-             "identical": all(same[n][i] for n in ("cold", "fleet_warm", "local_warm"))}
-            for i, q in enumerate(measure)
-        ],
     }
+
+
+def _per_question(runs: dict[str, list], measure: list[Question]) -> list[dict[str, Any]]:
+    same = _same_as_plain(runs)
+    return [{"question_id": q.question_id, "category": q.category, "new_tokens": len(runs["plain"][i].token_ids),
+             **{f"{n}_mat": runs[n][i].stats.mat for n in WARMED},
+             "identical": all(same[n][i] for n in WARMED)}
+            for i, q in enumerate(measure)]
 
 
 def run_bench_fleet(args: argparse.Namespace, progress: bool = True) -> dict[str, Any]:
@@ -220,8 +237,9 @@ def run_bench_fleet(args: argparse.Namespace, progress: bool = True) -> dict[str
     if args.sync_interval_s <= 0:
         raise BenchError(f"--sync-interval-s must be > 0, got {args.sync_interval_s}")
     from tr_serve.tr.tree import TreeTemplateError, load_template
+    from tr_serve.tr.tree_spec import is_plain
 
-    if args.tree.strip().lower() in ("none", "off", ""):
+    if is_plain(args.tree):
         raise BenchError("--tree must be a Token Recycling tree (plain decoding is measured anyway)")
     try:
         load_template(args.tree, args.k)
@@ -287,20 +305,8 @@ def run_bench_fleet(args: argparse.Namespace, progress: bool = True) -> dict[str
     }
     out = Path(args.json_out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(_clean(result), indent=2) + "\n")
+    out.write_text(json.dumps(round_floats(result), indent=2) + "\n")
     return result
-
-
-def _clean(obj):
-    import math
-
-    if isinstance(obj, float):
-        return round(obj, 6) if math.isfinite(obj) else None
-    if isinstance(obj, dict):
-        return {k: _clean(v) for k, v in obj.items()}
-    if isinstance(obj, list):
-        return [_clean(v) for v in obj]
-    return obj
 
 
 def format_result(r: dict) -> str:
