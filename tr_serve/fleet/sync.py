@@ -54,8 +54,9 @@ _CONNECT_TIMEOUT_S = 60.0  # creating the actor starts a worker process
 
 
 class MatrixSync:
-    """``engine`` is an ``AsyncEngine`` (anything with ``call_between_steps`` and ``.engine``), or a
-    plain ``Engine`` that nothing else steps while a sync runs (offline tools)."""
+    """``engine`` is an ``EngineHandle`` with a matrix (``tr_serve/engine/core.py``): an
+    ``AsyncEngine``, whose ``call_between_steps`` runs the table work on its step thread, or a plain
+    ``Engine`` that nothing else steps while a sync runs (offline tools)."""
 
     def __init__(self, engine, config: FleetSyncConfig, *, model_id: str, tokenizer=None,
                  fingerprint: str | None = None, replica_id: str | None = None):
