@@ -7,7 +7,7 @@ import torch
 
 from tr_serve.runner import llama_body
 from tr_serve.runner.cpu_kernels import KernelPlan, _pack, fuse_siblings, kernel_calls, kernel_linears
-from tr_serve.runner.model_runner import ModelRunner
+from tr_serve.runner.model_runner import ModelRunner, build_step_mask
 
 
 def _run(model, plan, disable: bool, monkeypatch):
@@ -61,7 +61,7 @@ def test_body_only_for_plain_llama_in_eval(tokenizer):
 
 def test_packed_verify_matches_the_padded_forward_on_real_positions(tokenizer, monkeypatch):
     """Rows of different real lengths: the body runs the linears over the real tokens only; their
-    logits equal transformers' padded forward bit for bit and padded positions are zero."""
+    logits equal transformers' padded forward bit for bit, and only theirs come back (packed)."""
     from tests.tiny_model import tiny_loaded
 
     model = tiny_loaded(tokenizer, seed=6, init_range=0.1).model
@@ -79,35 +79,84 @@ def test_packed_verify_matches_the_padded_forward_on_real_positions(tokenizer, m
         runner.prefill(rows, [[5, 17, 99, 3, 250, 8, 41], [7, 7, 300]])
         out[disable] = runner.verify(rows, tokens, depths, trees, lengths)
     padded, packed = out[True], out[False]
-    assert torch.equal(packed[0], padded[0]) and torch.equal(packed[1, :2], padded[1, :2])
-    assert not packed[1, 2:].any()
+    assert packed.shape == (6, model.config.vocab_size)  # the real nodes only, in row order
+    assert torch.equal(packed, padded)
 
 
-def test_runs_of_consecutive_rows_match_the_gathered_forward(tokenizer, monkeypatch):
-    """Ascending rows with a gap attend per run of consecutive cache rows, over views of the
-    buffers: the logits equal transformers' forward over the gathered rows bit for bit."""
-    from tests.tiny_model import tiny_loaded
-
-    model = tiny_loaded(tokenizer, seed=7, init_range=0.1).model
+def _three_rows(model, body, lengths):
+    """Prefill rows 0, 2, 3 (two runs of consecutive cache rows), verify a tree per row with
+    ``lengths`` real nodes, keep some, verify one token per row."""
     rows = torch.tensor([0, 2, 3])
     prompts = [[5, 17, 99, 3, 250, 8, 41, 9, 12, 30], [7, 7, 300], [1, 2, 3, 4, 5]]
-    tokens = torch.tensor([[7, 9, 11], [21, 22, 23], [4, 5, -1]])
+    tokens = torch.tensor([[7, 9, 11], [21, 22, 23], [4, 5, 6]])
     depths = torch.tensor([[0, 1, 1], [0, 1, 2], [0, 1, 1]])
     trees = torch.tensor([[[1, 0, 0], [1, 1, 0], [1, 0, 1]], [[1, 0, 0], [1, 1, 0], [1, 1, 1]],
                           [[1, 0, 0], [1, 1, 0], [1, 0, 1]]], dtype=torch.bool)
-    out = {}
-    for disable in (True, False):
-        monkeypatch.setattr("tr_serve.runner.model_runner.body_for",
-                            (lambda model: None) if disable else llama_body.body_for)
+    import pytest
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr("tr_serve.runner.model_runner.body_for", body)
         runner = ModelRunner(model, 4, 48)
         last, _ = runner.prefill(rows, prompts)
-        verified = runner.verify(rows, tokens, depths, trees, torch.tensor([3, 3, 2]))
-        assert runner.cache.step_runs == [(0, 1, 0, 1), (1, 3, 2, 4)]
+        verified = runner.verify(rows, tokens, depths, trees, lengths)
+        runs = runner.cache.step_runs
         runner.compact(rows, [torch.tensor([0, 1]), torch.tensor([0]), torch.tensor([0, 1])])
         again = runner.verify(rows, tokens[:, :1], depths[:, :1], trees[:, :1, :1])
-        out[disable] = (last, verified, again)
-    for want, got in zip(out[True], out[False]):
-        assert torch.equal(got, want)
+    return (last, verified, again), runs
+
+
+def test_runs_of_consecutive_rows_match_the_gathered_forward(tokenizer):
+    """Ascending rows with a gap attend per run of consecutive cache rows, over views of the
+    buffers: with every row at the step's width the logits equal transformers' forward over the
+    gathered rows bit for bit; rows of their own widths (one segment each) agree to float
+    rounding and in every argmax (exact per row: test_segments_attend_each_row_as_it_would_alone)."""
+    from tests.tiny_model import tiny_loaded
+
+    model = tiny_loaded(tokenizer, seed=7, init_range=0.1).model
+    want, _ = _three_rows(model, lambda model: None, None)
+    got, runs = _three_rows(model, llama_body.body_for, None)
+    assert runs == [(0, 1, 0, 1), (1, 3, 2, 4)]
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+    ragged = torch.tensor([3, 3, 2])
+    want, _ = _three_rows(model, lambda model: None, ragged)
+    got, _ = _three_rows(model, llama_body.body_for, ragged)
+    for a, b in zip(got, want):
+        assert torch.allclose(a, b, rtol=0, atol=1e-5)
+        assert torch.equal(a.argmax(-1), b.argmax(-1))
+    assert got[1].shape == (8, model.config.vocab_size)  # packed: 3 + 3 + 2 real nodes
+
+
+def test_segments_attend_each_row_as_it_would_alone():
+    """Segment attention (rows of one width over views of consecutive cache rows) gives each row
+    exactly what attention over that row alone, at its own width, gives."""
+    from tr_serve.runner.kv_cache import SlotKVCache
+
+    torch.manual_seed(0)
+    heads, kv_heads, d = 4, 2, 8
+    cache = SlotKVCache(1, 5, 32, kv_heads, d, torch.float32, "cpu")
+    cache.k_all.normal_()
+    cache.v_all.normal_()
+    for row, n in enumerate([9, 4, 6, 11, 3]):
+        cache.set_length(row, n)
+    rows, widths = torch.tensor([0, 1, 3, 4]), [2, 2, 3, 1]
+    starts = cache.begin_step(rows, 3)
+    segments = cache.plan_segments(widths)
+    assert [(s.first_row, s.end_row, s.width) for s in segments] == [(0, 2, 2), (3, 4, 3), (4, 5, 1)]
+    local = torch.ones(3, 3, dtype=torch.bool).tril()[None]
+    mask = build_step_mask(starts, local, cache.step_kv_len, torch.float32)
+    t = sum(widths)
+    q, k, v = torch.randn(1, heads, t, d), torch.randn(1, kv_heads, t, d), torch.randn(1, kv_heads, t, d)
+    out = llama_body._attend_segments(cache.layers[0], segments, q, k, v, mask, 0.3)  # [1, t, heads * d]
+    p = 0
+    for i, (row, w) in enumerate(zip(rows.tolist(), widths)):
+        start = int(starts[i])
+        assert torch.equal(cache.k_all[0, row, :, start : start + w], k[0, :, p : p + w])  # written at its slots
+        keys, values = cache.k_all[0, row : row + 1, :, : cache.step_kv_len], cache.v_all[0, row : row + 1, :, : cache.step_kv_len]
+        alone = torch.nn.functional.scaled_dot_product_attention(
+            q[:, :, p : p + w], keys, values, attn_mask=mask[i : i + 1, :, :w], scale=0.3, enable_gqa=True)
+        assert torch.equal(out[0, p : p + w], alone[0].transpose(0, 1).reshape(w, -1))
+        p += w
 
 
 def test_rows_out_of_order_attend_over_a_gathered_copy():

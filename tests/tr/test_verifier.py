@@ -137,3 +137,32 @@ def test_random_trees_against_brute_force():
             assert parents[child] == parent and d[child] == c[parent]
         assert acc.emitted[r].tolist() == [d[x] for x in nodes[1:]] + [c[nodes[-1]]]
     assert len(depths_seen) >= 3, "the random cases should cover several acceptance depths"
+
+
+def test_packed_logits_give_the_same_acceptance_as_padded():
+    """Rows of different widths: verify_batch on the runner's packed logits (real nodes only, row
+    order) keeps and emits exactly what it does on the padded [b, q, V] logits, greedy and sampled."""
+    from tr_serve.tr.draft import build_draft
+    from tr_serve.tr.verifier import RowSampling, verify_batch
+
+    tree = compile_tree([[0], [1], [0, 0], [0, 1], [0, 0, 0]])
+    g = torch.Generator().manual_seed(3)
+    drafted = torch.randint(0, 6, (3, tree.num_nodes + 1), generator=g)
+    batch = build_draft(drafted, tree, torch.arange(1, tree.num_nodes + 1), row_nodes=[5, 1, 3])
+    assert batch.lengths.tolist() == [6, 2, 4]
+    real = batch.real_nodes()
+    logits = torch.randn(3, batch.tokens.shape[1], 6, generator=g) * 3
+    for r in range(3):  # make the drafts partly right: each node's first child is the argmax
+        for i in range(int(batch.lengths[r])):
+            kids = [c for c in range(1, int(batch.lengths[r])) if int(batch.parents[r, c]) == i]
+            if kids:
+                logits[r, i, int(batch.tokens[r, kids[0]])] += 10
+    for sampled in (False, True):
+        def run(x):
+            sampling = [RowSampling(1.0, 0, 1.0, torch.Generator().manual_seed(r)) if sampled and r != 1 else None
+                        for r in range(3)]
+            return verify_batch(batch, x, sampling)
+        padded, packed = run(logits), run(logits[real])
+        for a, b in zip(padded.accepted_nodes + padded.emitted, packed.accepted_nodes + packed.emitted):
+            assert torch.equal(a, b)
+    assert max(len(n) for n in padded.accepted_nodes) > 1  # some drafts were accepted

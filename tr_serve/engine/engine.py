@@ -234,7 +234,11 @@ class Engine:
                 on_path = torch.zeros(draft.tokens.shape, dtype=torch.bool)  # the nodes each row kept
                 for i, nodes in enumerate(accepted):
                     on_path[i, nodes] = True
-                self.matrix.recycle(draft.tokens, logits, preferred=on_path)
+                real = draft.real_nodes() if logits.dim() == 2 else None  # packed logits: real nodes only
+                if real is None:
+                    self.matrix.recycle(draft.tokens, logits, preferred=on_path)
+                else:
+                    self.matrix.recycle(draft.tokens[real], logits, preferred=on_path[real])
         with self.timer.phase("postprocess"):
             for req, out, nodes in zip(batch, emitted, draft.nodes_per_row()):
                 kept = 0  # tokens of this step that made it into the output (a stop cuts the rest)

@@ -10,8 +10,23 @@ plain decoding would have built.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
+
+
+class Segment(NamedTuple):
+    """Step rows batch_start..batch_end (cache rows first_row..end_row, consecutive), each with
+    ``width`` real tokens, packed at offsets packed_start..packed_end of the step's real tokens."""
+
+    batch_start: int
+    batch_end: int
+    first_row: int
+    end_row: int
+    width: int
+    packed_start: int
+    packed_end: int
 
 
 class SlotLayer(CacheLayerMixin):
@@ -51,12 +66,24 @@ class SlotLayer(CacheLayerMixin):
             self.keys[o.step_rows_col, :, o.step_slots] = k
             self.values[o.step_rows_col, :, o.step_slots] = v
 
-    def run_views(self) -> list[tuple[int, int, torch.Tensor, torch.Tensor]]:
-        """The step's rows as runs of consecutive cache rows: (batch_start, batch_end, keys,
-        values), keys/values [run rows, kv_heads, step_kv_len, head_dim] views of the buffers (no
-        copy). Needs :attr:`SlotKVCache.step_runs`."""
+    def write_packed(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        """Store the step's real entries, packed [t, kv_heads, head_dim] in row order (row r's
+        first widths[r] tokens), at their rows' step slots (:meth:`SlotKVCache.plan_segments`)."""
+        o = self.owner
+        if o.step_single is not None:
+            row, start, _ = o.step_single
+            t = key_states.shape[0]
+            self.keys[row, :, start : start + t] = key_states.transpose(0, 1)
+            self.values[row, :, start : start + t] = value_states.transpose(0, 1)
+        else:
+            self.keys[o.step_packed_rows, :, o.step_packed_slots] = key_states
+            self.values[o.step_packed_rows, :, o.step_packed_slots] = value_states
+
+    def view(self, first_row: int, end_row: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values [rows, kv_heads, step_kv_len, head_dim] of consecutive cache rows: views
+        of the buffers, no copy."""
         kv = self.owner.step_kv_len
-        return [(b0, b1, self.keys[r0:r1, :, :kv], self.values[r0:r1, :, :kv]) for b0, b1, r0, r1 in self.owner.step_runs]
+        return self.keys[first_row:end_row, :, :kv], self.values[first_row:end_row, :, :kv]
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         return self.owner.step_kv_len, 0
@@ -99,8 +126,39 @@ class SlotKVCache(Cache):
         self.step_rows_col = self.step_rows[:, None]
         self.step_slots = (starts[:, None] + torch.arange(q)).to(self.device)  # [b, q]
         self.step_kv_len = int(starts.max()) + q
-        self.step_runs = _runs(rows.tolist())
+        self._step_row_list, self._step_starts = rows.tolist(), starts.tolist()
+        self.step_runs = _runs(self._step_row_list)
         return starts
+
+    def plan_segments(self, widths: list[int]) -> list[Segment] | None:
+        """Split the step's rows (``widths[i]`` real tokens each, the first of its row's slots) into
+        segments of consecutive cache rows of one width, and index their real slots for
+        :meth:`SlotLayer.write_packed`. None when the rows are not ascending.
+
+        Why: padding every row to the widest row's width made attention, the mask and the cache
+        writes of a 16-row step cost as if every row verified the longest tree (one row at 5
+        tokens, 15 at 1: 101 ms against 58 for all at 1). A segment attends at its own width, over
+        a view of its rows' cache."""
+        if self.step_runs is None:
+            return None
+        out, p = [], 0
+        for b0, b1, r0, _ in self.step_runs:
+            i = b0
+            while i < b1:
+                j = i + 1
+                while j < b1 and widths[j] == widths[i]:
+                    j += 1
+                w = widths[i]
+                out.append(Segment(i, j, r0 + i - b0, r0 + j - b0, w, p, p + (j - i) * w))
+                p += (j - i) * w
+                i = j
+        if self.step_single is None:
+            step_rows, starts = self._step_row_list, self._step_starts
+            self.step_packed_rows = torch.tensor([step_rows[i] for i, w in enumerate(widths) for _ in range(w)],
+                                                 device=self.device)
+            self.step_packed_slots = torch.tensor([starts[i] + j for i, w in enumerate(widths) for j in range(w)],
+                                                  device=self.device)
+        return out
 
     def compact(self, rows: torch.Tensor, keep_offsets: list[torch.Tensor]) -> None:
         """Keep, for each row, the step's new entries at ``lens[row] + keep_offsets[i]`` (ascending,

@@ -57,17 +57,23 @@ def _build(model) -> Callable | None:
         return None
 
     def body(input_ids: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor, cache,
-             real: torch.Tensor | None = None) -> torch.Tensor:
-        """real: indices of the real tokens in the flattened [b * s] batch (None: all). The linear
-        layers run over those only (rows packed); attention and the cache take the padded
-        [b, heads, s, d] layout, zeros at padded positions."""
+             real: torch.Tensor | None = None, widths: list[int] | None = None) -> torch.Tensor:
+        """real: indices of the real tokens in the flattened [b * s] batch (None: all); widths:
+        real tokens per row, the first of each row (None: s each). The linear layers run over the
+        real tokens only (rows packed). On the slot cache with ascending rows, attention runs per
+        segment of consecutive cache rows of one width (:meth:`SlotKVCache.plan_segments`), so no
+        row pays for another row's width; otherwise over the padded [b, heads, s, d] layout.
+        Padded positions come back as zeros."""
         h = inner.embed_tokens(input_ids)
         cos, sin = inner.rotary_emb(h, position_ids)
         b, s = input_ids.shape
-        if real is not None:  # pack: [1, t, ...]
-            h = h.reshape(b * s, -1)[real][None]
-            cos = cos.expand(b, s, -1).reshape(b * s, -1)[real][None]
-            sin = sin.expand(b, s, -1).reshape(b * s, -1)[real][None]
+        segments = None
+        if hasattr(cache, "plan_segments"):
+            segments = cache.plan_segments(widths if widths is not None else [s] * b)
+        if real is not None or segments is not None:  # pack: [1, t, ...]
+            flat = (lambda y: y.reshape(b * s, -1)[real][None]) if real is not None else (lambda y: y.reshape(1, b * s, -1))
+            h = flat(h)
+            cos, sin = flat(cos.expand(b, s, -1)), flat(sin.expand(b, s, -1))
         t = h.shape[1]
         for i, layer in enumerate(layers):
             attn = layer.self_attn
@@ -77,17 +83,22 @@ def _build(model) -> Callable | None:
             k = attn.k_proj(x).view(shape).transpose(1, 2)
             v = attn.v_proj(x).view(shape).transpose(1, 2)
             q, k = rotary(q, k, cos, sin)
-            if real is not None:
-                q, k, v = (_unpack(y, real, b, s) for y in (q, k, v))
-            o = _attend(cache, i, q, k, v, mask, attn.scaling)
-            o = o.transpose(1, 2).reshape(b, s, -1)
-            if real is not None:
-                o = o.reshape(b * s, -1)[real][None]
+            if segments is not None:
+                o = _attend_segments(cache.layers[i], segments, q, k, v, mask, attn.scaling)
+            else:
+                if real is not None:
+                    q, k, v = (_unpack(y, real, b, s) for y in (q, k, v))
+                k, v = cache.layers[i].update(k, v, i)
+                o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=attn.scaling,
+                                                   enable_gqa=q.shape[1] != k.shape[1])
+                o = o.transpose(1, 2).reshape(b, s, -1)
+                if real is not None:
+                    o = o.reshape(b * s, -1)[real][None]
             h = h + attn.o_proj(o)
             h = h + layer.mlp(layer.post_attention_layernorm(h))
         h = inner.norm(h)
         if real is None:
-            return h
+            return h.view(b, s, -1)
         out = h.new_zeros(b * s, h.shape[-1])
         out[real] = h[0]
         return out.view(b, s, -1)
@@ -95,23 +106,22 @@ def _build(model) -> Callable | None:
     return body
 
 
-def _attend(cache, i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
-            scale: float) -> torch.Tensor:
-    """Write the step's K/V into layer i of the cache and attend: [b, heads, s, d].
-
-    On the slot cache with ascending rows, one attention call per run of consecutive cache rows
-    over views of the buffers; otherwise over the cache's gathered rows. Either way the same
-    arithmetic as transformers' forward over the gathered rows."""
+def _attend_segments(layer, segments, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+                     scale: float) -> torch.Tensor:
+    """Packed q/k/v [1, heads, t, d] of the step's real tokens: write k/v into the layer's cache
+    slots, attend one segment at a time at its own width over a view of its rows' cache.
+    Returns [1, t, heads * d] in the packed order."""
+    layer.write_packed(k[0].transpose(0, 1), v[0].transpose(0, 1))
     gqa = q.shape[1] != k.shape[1]
-    layer = cache.layers[i]
-    if getattr(cache, "step_runs", None) is None:
-        k, v = layer.update(k, v, i)
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
-    layer.write(k, v)
-    outs = [F.scaled_dot_product_attention(q[b0:b1], keys, values, attn_mask=mask[b0:b1],
+    outs = []
+    for seg in segments:
+        n, w = seg.batch_end - seg.batch_start, seg.width
+        qs = q[0, :, seg.packed_start : seg.packed_end].unflatten(1, (n, w)).transpose(0, 1)  # [n, heads, w, d]
+        keys, values = layer.view(seg.first_row, seg.end_row)
+        o = F.scaled_dot_product_attention(qs, keys, values, attn_mask=mask[seg.batch_start : seg.batch_end, :, :w],
                                            scale=scale, enable_gqa=gqa)
-            for b0, b1, keys, values in layer.run_views()]
-    return outs[0] if len(outs) == 1 else torch.cat(outs)
+        outs.append(o.transpose(1, 2).reshape(n * w, -1))
+    return (outs[0] if len(outs) == 1 else torch.cat(outs))[None]
 
 
 def _unpack(y: torch.Tensor, real: torch.Tensor, b: int, s: int) -> torch.Tensor:

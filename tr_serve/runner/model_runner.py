@@ -88,12 +88,13 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward(self, rows: torch.Tensor, tokens: torch.Tensor, depths: torch.Tensor, local: torch.Tensor,
-                real: torch.Tensor | None = None) -> torch.Tensor:
+                real: torch.Tensor | None = None, lengths: torch.Tensor | None = None) -> torch.Tensor:
         """Hidden states [b, q, hidden] for ``tokens`` [b, q] at positions lens[row] + depths [b or 1, q].
 
-        real [b * q] bool (:func:`real_positions`): the tokens that are not padding. Where the
-        model's body runs here (plain Llama on CPU), the linear layers see only those (rows
-        packed), attention and the cache write the padded layout; padded positions come back as
+        real [b * q] bool (:func:`real_positions` of ``lengths``, the real tokens per row): the
+        tokens that are not padding. Where the model's body runs here (plain Llama on CPU), the
+        linear layers see only those (rows packed) and attention runs per segment of rows of one
+        width (padded layout only for rows out of cache order); padded positions come back as
         zeros. Elsewhere every position is computed."""
         q = tokens.shape[1]
         starts = self.cache.begin_step(rows, q)
@@ -103,7 +104,8 @@ class ModelRunner:
         with self._kernels(), runner_attention(self.model):
             if body is not None:
                 index = real.nonzero().flatten() if real is not None else None
-                return body(tokens.to(self.device), positions, mask, self.cache, index)
+                widths = lengths.tolist() if lengths is not None else None
+                return body(tokens.to(self.device), positions, mask, self.cache, index, widths)
             out = self.model.model(
                 input_ids=tokens.to(self.device), attention_mask=mask, position_ids=positions,
                 cache=self.cache, use_cache=True,
@@ -134,7 +136,7 @@ class ModelRunner:
         valid = torch.arange(q)[None, :] < lengths[:, None]  # [b, q]
         local = causal[None] & valid[:, None, :]
         local = local | torch.eye(q, dtype=torch.bool)[None]  # pad queries see themselves: no empty rows
-        hidden = self.forward(rows, tokens, torch.arange(q)[None], local, real_positions(lengths, q, self.device))
+        hidden = self.forward(rows, tokens, torch.arange(q)[None], local, real_positions(lengths, q, self.device), lengths)
         last = hidden[torch.arange(b), (lengths - 1).to(self.device)]  # [b, hidden]
         last_logits = self.logits(last)
         every = None
@@ -147,13 +149,17 @@ class ModelRunner:
     @torch.inference_mode()
     def verify(self, rows: torch.Tensor, tokens: torch.Tensor, depths: torch.Tensor, tree_mask: torch.Tensor,
                lengths: torch.Tensor | None = None) -> torch.Tensor:
-        """Logits [b, q, V] of the root plus every tree node; the cache lengths stay unchanged until
+        """Logits of the root plus every tree node; the cache lengths stay unchanged until
         :meth:`compact` keeps the accepted entries.
 
         tokens [b, q]; depths [q] (one tree for every row) or [b, q] (a tree per row); tree_mask
         [q, q] or [b, q, q], True where a node sees another (its ancestors and itself); lengths
-        [b]: real nodes per row (root included), padding after them costs no linear-layer or LM-head
-        compute (zero logits) where :meth:`forward` packs."""
+        [b]: real nodes per row (root included), padding after them.
+
+        Returns [b, q, V] when no row is padded, else the real nodes' logits packed in row order,
+        [sum(lengths), V] (``DraftBatch.real_nodes`` says which): padding never reaches the LM head,
+        and a 16-row step with one wide row does not allocate, fill and scan 16 wide rows of
+        vocabulary-sized logits."""
         safe = tokens.clamp(min=0)  # EMPTY nodes run as token 0; they can never be accepted
         if depths.dim() == 1:
             depths = depths[None]
@@ -161,15 +167,10 @@ class ModelRunner:
             tree_mask = tree_mask[None]
         b, q = tokens.shape
         real = real_positions(lengths, q, self.device)
-        hidden = self.forward(rows, safe, depths, tree_mask, real)
+        hidden = self.forward(rows, safe, depths, tree_mask, real, lengths)
         if real is None:
             return self.logits(hidden)
-        # the LM head over the real positions only; padding gets zero logits (never accepted)
-        flat = hidden.reshape(b * q, -1)
-        out = torch.empty(b * q, self.vocab_size, dtype=torch.float32, device=self.device)
-        out[real] = self.logits(flat[real])
-        out[~real] = 0.0
-        return out.view(b, q, -1)
+        return self.logits(hidden.reshape(b * q, -1)[real])  # the LM head over the real nodes only
 
     def compact(self, rows: torch.Tensor, keep: list[torch.Tensor]) -> None:
         self.cache.compact(rows, keep)

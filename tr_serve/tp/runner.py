@@ -247,7 +247,8 @@ class TPModelRunner:
 
     def verify(self, rows: torch.Tensor, tokens: torch.Tensor, depths: torch.Tensor, tree_mask: torch.Tensor,
                lengths: torch.Tensor | None = None) -> torch.Tensor:
-        """As ``ModelRunner.verify``: logits [b, q, V]; ``lengths`` goes to every rank's runner as given."""
+        """As ``ModelRunner.verify``: logits [b, q, V], or packed [sum(lengths), V] when rows are padded;
+        ``lengths`` goes to every rank's runner as given."""
         lengths = lengths.cpu() if lengths is not None else None
         return self._forward(("verify", rows.cpu(), tokens.cpu(), depths.cpu(), tree_mask.cpu(), lengths))
 

@@ -173,12 +173,13 @@ class StepLatency:
     """Step latency by (rows, query tokens in the step, padded width).
 
     The start-up table is measured on one row. A batch of rows costs more than its token count
-    says: the runner packs the rows' real tokens for the linear layers, but attention, the 4D mask
-    and the KV writes run over every row at the padded width (one row's long branch widens them
-    all). So while serving the engine observes each step and keeps, per (row count, power-of-two
-    bucket of the padded width) and per power-of-two bucket of query tokens, the moving average of
-    measured / table; an unseen bucket takes the nearest seen one of the same rows (and width),
-    or the table alone."""
+    says: the runner packs the rows' real tokens for the linear layers and the LM head, and
+    attention runs per segment of rows of one width, but every row attends over its cache and
+    every extra width is one more attention call per layer; the 4D mask is still built at the
+    widest row's width. So while serving the engine observes each step and keeps, per (row count,
+    power-of-two bucket of the widest row) and per power-of-two bucket of query tokens, the moving
+    average of measured / table; an unseen bucket takes the nearest seen one of the same rows
+    (and width), or the table alone."""
 
     def __init__(self, table: LatencyTable, alpha: float = 0.2):
         self.table = table
@@ -246,8 +247,8 @@ def choose_plan(template_rates: list[float], chains: list[tuple[list[int], list[
     nothing; the rest, at most L of them, are extra nodes of that row.
 
     The step costs one forward over the sum of the rows' tokens (the runner packs rows for the
-    linear layers) at the widest row's width (attention and the mask run padded: the latency
-    model learns what width costs per row count). Each row's options reduce to a frontier of
+    linear layers and attends per segment of one width); the latency model learns what the widest
+    row adds per row count. Each row's options reduce to a frontier of
     (expected accepted tokens, nodes); a price per query token picks one option per row, and the
     price whose plan has the best expected tokens per second wins. With ``explore``, the runner-up
     plan instead, so the latency of other shapes keeps being measured."""

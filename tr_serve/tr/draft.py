@@ -65,6 +65,13 @@ class DraftBatch:
             return [self.num_nodes] * self.tokens.shape[0]
         return [n - 1 for n in self.lengths.tolist()]
 
+    def real_nodes(self) -> torch.Tensor | None:
+        """[b, q] bool, True at each row's real inputs (the first lengths[r]); None when no row is
+        padded. Packed logits ([sum(lengths), V], row order) hold exactly these positions."""
+        if self.lengths is None:
+            return None
+        return torch.arange(self.tokens.shape[1])[None, :] < self.lengths[:, None]
+
     def row_depths(self) -> torch.Tensor:
         return self.depths if self.depths.dim() == 2 else self.depths[None].expand_as(self.tokens)
 

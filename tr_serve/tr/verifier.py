@@ -110,15 +110,24 @@ class RowSampling:
 def verify_batch(batch: DraftBatch, logits: torch.Tensor, sampling: Sequence[RowSampling | None]) -> Acceptance:
     """The one verification entry point for a batch of greedy and sampled rows.
 
-    logits [b, q, V]; sampling[r] None for a greedy row. Greedy rows keep the longest path equal
+    logits [b, q, V], or packed [sum(lengths), V] at ``batch.real_nodes()`` (the runner's verify
+    on padded rows); sampling[r] None for a greedy row. Greedy rows keep the longest path equal
     to the model's argmax, plus the bonus; sampled rows walk their tree with one draw per emitted
     token (tr/sampling.py). The result holds what every row actually keeps and emits."""
-    acceptance = accept_draft(batch, logits.argmax(dim=-1))  # reads logits: the forward has finished
+    real = batch.real_nodes() if logits.dim() == 2 else None
+    if real is None:
+        choice = logits.argmax(dim=-1)  # reads logits: the forward has finished
+    else:  # padding: token 0, never read (a padded node is never accepted and has no children)
+        choice = torch.zeros(real.shape, dtype=torch.long)
+        choice[real] = logits.argmax(dim=-1).cpu()
+    acceptance = accept_draft(batch, choice)
     if all(s is None for s in sampling):
         return acceptance
     accepted, emitted = list(acceptance.accepted_nodes), list(acceptance.emitted)
+    starts = [0] + batch.lengths.cumsum(0).tolist() if real is not None else None
     for r, s in enumerate(sampling):
         if s is not None:
-            accepted[r], emitted[r] = walk_tree(batch.tokens[r], logits[r], batch.children(r), s.temperature,
+            row_logits = logits[r] if real is None else logits[starts[r] : starts[r + 1]]
+            accepted[r], emitted[r] = walk_tree(batch.tokens[r], row_logits, batch.children(r), s.temperature,
                                                 s.top_k, s.top_p, s.generator)
     return replace(acceptance, accepted_nodes=accepted, emitted=emitted)
