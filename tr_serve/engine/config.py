@@ -6,10 +6,11 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from tr_serve.model_loader import EMBEDDED_ALIAS
 from tr_serve.tr.tree_spec import DEFAULT_TREE_SETTING, is_plain, parse_tree_spec
 
 # the model tr_serve serves when none is named: the embedded SmolLM2-135M-Instruct (model_loader.py)
-DEFAULT_MODEL = "smollm2-135m-instruct"
+DEFAULT_MODEL = EMBEDDED_ALIAS
 CPU_KERNEL_MODES = ("auto", "torch")  # measured kernel per token count (runner/cpu_kernels.py), or F.linear
 DEVICE = re.compile(r"^(cpu|mps|cuda(:\d+)?)$")
 

@@ -38,6 +38,7 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
+from tr_serve.engine.async_engine import AsyncEngine
 from tr_serve.fleet.actor import IDENTITY_KEYS, ActorAddress, actor_spec, get_or_create_actor
 from tr_serve.fleet.config import FleetSyncConfig
 from tr_serve.fleet.metrics import FleetMetrics
@@ -297,11 +298,9 @@ class MatrixSync:
 
     # ---- helpers ----------------------------------------------------------------------------------
     async def _between_steps(self, fn: Callable) -> Any:
-        call = getattr(self.engine, "call_between_steps", None)
-        alive = getattr(self.engine, "alive", True)
-        if call is None or not alive:  # a plain Engine, or a stopped one: nothing steps it now
-            return fn(self.engine)
-        return await asyncio.wait_for(call(fn), _BETWEEN_STEPS_TIMEOUT_S)
+        if not isinstance(self.engine, AsyncEngine) or not self.engine.alive:
+            return fn(self.engine)  # a plain Engine, or a stopped one: nothing steps it now
+        return await asyncio.wait_for(self.engine.call_between_steps(fn), _BETWEEN_STEPS_TIMEOUT_S)
 
     async def _rpc(self, ref, timeout_s: float | None = None):
         timeout_s = timeout_s or self.config.rpc_timeout_s

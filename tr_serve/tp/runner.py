@@ -15,7 +15,7 @@ verify; for a prefill the last position's ``[b, V]``, plus every prompt position
 seeding asks for them). Argmax acceptance, the matrix's top-k and sampling (``walk_tree`` reads
 whole rows) all read them unchanged. They travel as numpy arrays (Ray's object store moves those
 without pickling; the driver copies them into tensors of its own). What it costs is measured by
-``tr_serve/tp/bench.py`` (``bytes_back_per_step``); see the README: at SmolLM2's vocabulary it is
+``tr_serve/bench/tp.py`` (``bytes_back_per_step``); see the README: at SmolLM2's vocabulary it is
 a few per cent of a CPU step, at Llama-3-70B's and 32 rows of 80 nodes it would be 1.3 GB per
 step, where the runner should return only argmax, the top-k and the sampled rows' logits.
 
@@ -85,7 +85,7 @@ class TPKernels:
 
 @dataclass
 class TransferStats:
-    """What the driver exchanged with the workers (``tr_serve/tp/bench.py`` reports it)."""
+    """What the driver exchanged with the workers (``tr_serve/bench/tp.py`` reports it)."""
 
     forwards: int = 0
     messages: int = 0  # Ray calls + replies

@@ -28,7 +28,6 @@ explicit ``head_dim``) so that the runner sizes the KV cache for this rank's kv 
 
 from __future__ import annotations
 
-import torch
 from torch import nn
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")  # same layer layout; qwen2 adds q/k/v biases
