@@ -146,3 +146,12 @@ def test_plan_counts_merged_branch_tokens_as_free():
     latency = StepLatency(LatencyTable((1, 2, 3, 4, 5), (0.030, 0.036, 0.042, 0.048, 0.054)))
     [(n, cap)] = choose_plan(template, [branch], latency, (0, 1, 2, 4), (0, 1))
     assert (n, cap) == (2, 1)  # 3 nodes verified: 1 + 0.6 + 0.5 + 0.8 expected tokens for 0.042 s
+
+
+def test_a_plan_within_the_margin_of_plain_decoding_stays_plain():
+    from tr_serve.tr.budget import DRAFT_MARGIN
+
+    free = StepLatency(LatencyTable((1, 64), (1.0, 1.0)))  # extra query tokens cost nothing
+    slight = 0.5 * DRAFT_MARGIN  # expected gain: half the margin
+    assert choose_plan([slight], [NO_BRANCH], free, (0, 1), (0,)) == [(0, 0)]
+    assert choose_plan([2 * DRAFT_MARGIN], [NO_BRANCH], free, (0, 1), (0,)) == [(1, 0)]

@@ -231,6 +231,10 @@ def _frontier(options: list[tuple[float, int, int, int]]) -> list[tuple[float, i
     return out
 
 
+# A drafting plan must beat plain decoding by this much in expected tokens/s: the acceptance
+# estimates and the latency model are noisy, and the best of many noisy estimates is biased up
+# (most at high concurrency, where drafting gains little and every query token costs compute).
+DRAFT_MARGIN = 0.03
 # Prices (expected accepted tokens one more query token must bring) tried by the plan search.
 _PRICES = (0.0, 0.002, 0.005, 0.01, 0.02, 0.035, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.45, 0.7, 1.0, float("inf"))
 
@@ -276,6 +280,9 @@ def choose_plan(template_rates: list[float], chains: list[tuple[list[int], list[
                     break  # larger caps are the same plan
         frontiers.append(_frontier(options))
     plans: dict[tuple[tuple[int, int], ...], float] = {}
+    plain = None  # every row a one-token step, when every row has that option
+    if all(f[0][1] == 0 for f in frontiers):
+        plain = tuple((f[0][2], f[0][3]) for f in frontiers)
     for price in _PRICES:
         gain, cost, widest, plan = 0.0, 0, 0, []
         for frontier in frontiers:
@@ -292,4 +299,6 @@ def choose_plan(template_rates: list[float], chains: list[tuple[list[int], list[
             plans[key] = (rows + gain) / latency(rows, rows + cost, 1 + widest)
     ranked = sorted(plans.items(), key=lambda kv: (kv[1], -sum(n + c for n, c in kv[0])), reverse=True)
     pick = ranked[1] if explore and len(ranked) > 1 else ranked[0]
+    if not explore and plain is not None and pick[1] < plans[plain] * (1 + DRAFT_MARGIN):
+        return list(plain)  # within the estimates' error of plain decoding: not worth the risk
     return list(pick[0])
