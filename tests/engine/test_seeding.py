@@ -35,9 +35,9 @@ def test_seeding_follows_the_budget(tokenizer, tmp_path, monkeypatch, budget):
     if budget == "auto":
         # plain decoding wins every step: once the moving average of the budget is below one node,
         # the LM head over the prompt is not run any more
-        import tr_serve.tr.drafter as drafter_module
+        import tr_serve.tr.budget as budget_module
 
-        monkeypatch.setattr(drafter_module, "choose_plan", lambda *args, **kwargs: [(0, 0)] * len(args[1]))
+        monkeypatch.setattr(budget_module, "choose_plan", lambda *args, **kwargs: [(0, 0)] * len(args[1]))
         for _ in range(8):  # 3 decode steps each: the moving average decays by 0.9 per step
             _seeded_prefills(engine, 1)
         assert engine.drafter.mean_nodes < 1.0

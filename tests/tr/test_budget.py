@@ -155,3 +155,24 @@ def test_a_plan_within_the_margin_of_plain_decoding_stays_plain():
     slight = 0.5 * DRAFT_MARGIN  # expected gain: half the margin
     assert choose_plan([slight], [NO_BRANCH], free, (0, 1), (0,)) == [(0, 0)]
     assert choose_plan([2 * DRAFT_MARGIN], [NO_BRANCH], free, (0, 1), (0,)) == [(1, 0)]
+
+
+def test_tree_budget_owns_its_order_and_the_drafter_follows_it():
+    from tr_serve.tr.budget import TreeBudget
+    from tr_serve.tr.drafter import Drafter
+    from tr_serve.tr.matrix import AdjacencyMatrix
+    from tr_serve.tr.tree import compile_tree
+    from tr_serve.tr.tree_spec import parse_tree_spec
+
+    tree = compile_tree([[0], [1], [0, 0], [1, 0]])
+    latency = StepLatency(LatencyTable((1, 64), (1.0, 1.0)))
+    drafter = Drafter(parse_tree_spec("top4", "auto"), tree, AdjacencyMatrix(16, 2), latency)
+    budget = drafter.budget
+    assert isinstance(budget, TreeBudget) and drafter.acceptance is budget.acceptance and drafter.latency is latency
+    assert drafter._subtree(2)[1].tolist() == [1, 2]  # level order first
+    budget.reorder([0.1, 0.9, 0.05, 0.8])  # node 2 (path (1,)) and its child are the likely ones
+    assert budget.order == [2, 4, 1, 3] and budget.order_version == 1
+    assert drafter.order is budget.order
+    assert drafter._subtree(2)[1].tolist() == [2, 4]  # the drafter's subtrees follow the new order
+    budget.reorder([0.1, 0.9, 0.05, 0.8])
+    assert budget.order_version == 1  # unchanged order: the subtrees stay valid

@@ -12,10 +12,15 @@ from __future__ import annotations
 
 import bisect
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
-from tr_serve.tr.tree import CompiledTree, path_prior
+from tr_serve.tr.tree import CompiledTree, order_by_rates, path_prior
+
+if TYPE_CHECKING:
+    from tr_serve.tr.draft import DraftBatch
+    from tr_serve.tr.verifier import Acceptance
 
 
 class AcceptanceStats:
@@ -302,3 +307,101 @@ def choose_plan(template_rates: list[float], chains: list[tuple[list[int], list[
     if not explore and plain is not None and pick[1] < plans[plain] * (1 + DRAFT_MARGIN):
         return list(plain)  # within the estimates' error of plain decoding: not worth the risk
     return list(pick[0])
+
+
+_NOT_VERIFIED = 1 << 30  # merge position of a branch token that no template node holds
+
+
+class TreeBudget:
+    """The cost-aware budget (``tree: auto``): its state and its per-step decision in one object.
+
+    It owns the per-node acceptance estimates, the context branch's acceptance by match length,
+    the step latency model, the order in which template nodes are added (re-ranked every
+    ``reorder_every`` steps by estimated acceptance, so a row verifies the most likely nodes),
+    and the moving mean of template nodes verified per row. The drafter asks it for a plan each
+    step and hands it what the verification found."""
+
+    def __init__(self, template: CompiledTree, latency: StepLatency, context_tokens: int,
+                 node_candidates: tuple[int, ...], chain_caps: tuple[int, ...], explore_every: int = 16,
+                 reorder_every: int = 64):
+        n = template.num_nodes
+        self.template = template
+        self.latency = latency
+        self.acceptance = AcceptanceStats(template)
+        self.context_stats = ContextStats(context_tokens) if context_tokens else None
+        self.node_candidates = tuple(sorted({c for c in node_candidates if c < n} | {n}))
+        self.chain_caps = chain_caps if self.context_stats is not None else (0,)
+        self.explore_every = explore_every
+        self.reorder_every = reorder_every
+        self.order = list(range(1, n + 1))  # template nodes in the order a row adds them
+        self.order_version = 0  # bumped when the order changes (subtrees built from it are stale)
+        self.steps = 0
+        self.mean_nodes = float(min(n, 2))  # moving mean of template nodes per row (prompt seeding reads it)
+
+    def plan(self, full: torch.Tensor, chains: list[list[int]], matches: list[int]) -> list[tuple[int, int]]:
+        """Per row, (template nodes, branch cap) for the most expected tokens per second.
+        full [b, N+1]: every row's whole template drafted; chains[r]: row r's retrieved branch;
+        matches[r]: the n-gram match length that found it."""
+        self.steps += 1
+        rates = self.acceptance.rate_list()  # path rate of template node i at [i-1]
+        if self.steps % self.reorder_every == 0:
+            self.reorder(rates)
+        position = {node: i for i, node in enumerate(self.order)}
+        order_rates = [rates[node - 1] for node in self.order]
+        chain_info = []
+        full_rows = full.tolist() if any(chains) else None
+        for r, chain in enumerate(chains):
+            merge_pos, node = [], 0
+            for tok in chain:
+                nxt = next((c for c in self.template.children[node] if full_rows[r][c] == tok), None)
+                if nxt is None:
+                    break
+                merge_pos.append(position[nxt])
+                node = nxt
+            merge_pos += [_NOT_VERIFIED] * (len(chain) - len(merge_pos))
+            rates_r = self.context_stats.path_rates(matches[r])[: len(chain)] if self.context_stats and chain else []
+            chain_info.append((merge_pos, rates_r))
+        explore = self.steps % self.explore_every == 0
+        plans = choose_plan(order_rates, chain_info, self.latency, self.node_candidates, self.chain_caps, explore)
+        if not explore:
+            mean = sum(n for n, _ in plans) / max(1, len(plans))
+            self.mean_nodes += 0.1 * (mean - self.mean_nodes)
+        return plans
+
+    def reorder(self, rates: list[float]) -> None:
+        """Re-rank the template nodes by estimated path rate (parents always before children)."""
+        paths = self.template.template
+        index = {p: i + 1 for i, p in enumerate(paths)}
+        order = [index[p] for p in order_by_rates(paths, rates)]
+        if order != self.order:
+            self.order = order
+            self.order_version += 1
+
+    def observe(self, batch: "DraftBatch", acceptance: "Acceptance", seconds: float | None) -> None:
+        """Learn from one verification: the step's measured latency, which template nodes and
+        branch tokens were right (the model's argmax choices: for sampled rows too, as a proxy)."""
+        if seconds is not None:
+            self.latency.observe(batch.tokens.shape[0], batch.num_inputs, seconds, batch.tokens.shape[1])
+        observe_template(self.acceptance, batch, acceptance)
+        if self.context_stats is not None and any(batch.chain_columns):
+            ok = acceptance.accepted_mask.tolist()
+            parents = batch.parents.tolist()
+            outcomes = []
+            for r, cols in enumerate(batch.chain_columns):
+                if cols:
+                    outcomes.append((batch.match_lengths[r], [ok[r][parents[r][c]] for c in cols],
+                                     [ok[r][c] for c in cols]))
+            self.context_stats.update(outcomes)
+
+
+def observe_template(stats: AcceptanceStats, batch: "DraftBatch", acceptance: "Acceptance") -> None:
+    """Update per-node acceptance estimates from one step: the nodes each row verified (a prefix
+    of the batch's template columns) and the model's choices after them."""
+    rows = batch.tokens.shape[0]
+    n_full = stats.tree.num_nodes
+    cols = torch.cat([torch.zeros(1, dtype=torch.long), batch.template_nodes])
+    choice = torch.zeros(rows, n_full + 1, dtype=torch.long)
+    choice[:, cols] = acceptance.choices[:, : len(cols)]
+    verified = torch.zeros(rows, n_full + 1, dtype=torch.bool)
+    verified[:, cols] = torch.arange(len(cols))[None, :] <= torch.tensor(batch.row_nodes)[:, None]
+    stats.update(batch.template_draft, choice, verified)

@@ -15,12 +15,12 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from tr_serve.tr.budget import AcceptanceStats, ContextStats, StepLatency, choose_plan
+from tr_serve.tr.budget import AcceptanceStats, StepLatency, TreeBudget, observe_template
 from tr_serve.tr.context_index import ContextIndex
 from tr_serve.tr.draft import DraftBatch, build_draft
 from tr_serve.tr.matrix import AdjacencyMatrix
 from tr_serve.tr.proposer import propose
-from tr_serve.tr.tree import CompiledTree, compile_tree, order_by_rates
+from tr_serve.tr.tree import CompiledTree, compile_tree
 from tr_serve.tr.tree_spec import TreeSpec
 from tr_serve.tr.verifier import Acceptance
 
@@ -46,11 +46,13 @@ NODE_CANDIDATES = (0, 1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 80)
 CHAIN_CAPS = (0, 1, 2, 4, 8, 16)
 EXPLORE_EVERY = 16  # every 16th step verifies the runner-up plan, to keep its latency measured
 REORDER_EVERY = 64  # steps between re-rankings of the template nodes by estimated acceptance
-_NOT_VERIFIED = 1 << 30
 _PLAIN = compile_tree([], name="none")
 
 
 class Drafter:
+    """Builds each step's draft batch: the template drafted from the matrix, each row's context
+    branch, and, under ``auto``, the per-row plan of the :class:`TreeBudget`."""
+
     def __init__(self, spec: TreeSpec, template: CompiledTree | None, matrix: AdjacencyMatrix,
                  latency: StepLatency | None = None):
         if spec.auto_budget and (template is None or latency is None):
@@ -58,18 +60,34 @@ class Drafter:
         self.spec = spec
         self.template = template
         self.matrix = matrix
-        self.latency = latency if spec.auto_budget else None
         self.context = (PLD_CONTEXT if template is None else HYBRID_CONTEXT) if spec.context else None
-        n = template.num_nodes if template is not None else 0
-        self.acceptance = AcceptanceStats(template) if spec.auto_budget else None
-        self.context_stats = ContextStats(self.context.max_tokens) if spec.context and spec.auto_budget else None
-        self.order = list(range(1, n + 1))  # template nodes in the order a budget adds them
-        self._subtrees: dict[int, tuple[CompiledTree, torch.Tensor]] = {}
-        self.node_candidates = tuple(sorted({c for c in NODE_CANDIDATES if c < n} | {n}))
-        self._steps = 0
-        # moving average of the template nodes verified per step: prompt seeding pays only while
-        # the matrix is used (engine.py)
-        self.mean_nodes = float(min(n, 2))
+        self.budget: TreeBudget | None = None
+        if spec.auto_budget:
+            self.budget = TreeBudget(template, latency, self.context.max_tokens if self.context else 0,
+                                     NODE_CANDIDATES, CHAIN_CAPS, EXPLORE_EVERY, REORDER_EVERY)
+        # per-node acceptance estimates fed by observe(): the budget's; a caller may set one to
+        # measure a fixed tree (scripts/measure_tree_order.py)
+        self.acceptance: AcceptanceStats | None = self.budget.acceptance if self.budget else None
+        self._subtrees: dict[tuple[int, int], tuple[CompiledTree, torch.Tensor]] = {}
+
+    @property
+    def latency(self) -> StepLatency | None:
+        return self.budget.latency if self.budget is not None else None
+
+    @property
+    def mean_nodes(self) -> float:
+        """Template nodes verified per row, a moving mean: prompt seeding pays only while the
+        matrix is used (engine.py)."""
+        if self.budget is not None:
+            return self.budget.mean_nodes
+        return float(min(self.template.num_nodes, 2)) if self.template is not None else 0.0
+
+    @property
+    def order(self) -> list[int]:
+        """Template nodes in the order a row adds them (a row verifies a prefix)."""
+        if self.budget is not None:
+            return self.budget.order
+        return list(range(1, self.template.num_nodes + 1)) if self.template is not None else []
 
     @staticmethod
     def context_tokens(spec: TreeSpec) -> int:
@@ -103,85 +121,33 @@ class Drafter:
                 matches[r], chains[r] = ctx.lookup(cap)
         n = self.template.num_nodes if self.template is not None else 0
         cap = self.context.max_tokens if self.context is not None else 0
-        plans = self._plan(full, chains, matches) if self.spec.auto_budget else [(n, cap)] * b
+        plans = self.budget.plan(full, chains, matches) if self.budget is not None else [(n, cap)] * b
         row_nodes = [p[0] for p in plans]
         tree, nodes = self._subtree(max(row_nodes))
         template_tokens = full[:, torch.cat([torch.zeros(1, dtype=torch.long), nodes])]
         batch = build_draft(template_tokens, tree, nodes, chains, matches, row_nodes, [p[1] for p in plans])
         return replace(batch, template_draft=full)
 
-    def _plan(self, full: torch.Tensor, chains: list[list[int]], matches: list[int]) -> list[tuple[int, int]]:
-        """Per row, (template nodes, branch cap): the cost-aware budget (tr/budget.py)."""
-        self._steps += 1
-        rates = self.acceptance.rate_list()  # path rate of full-template node i at [i-1]
-        if self._steps % REORDER_EVERY == 0:
-            self._reorder(rates)
-        position = {node: i for i, node in enumerate(self.order)}
-        order_rates = [rates[node - 1] for node in self.order]
-        chain_info = []
-        full_rows = full.tolist() if any(chains) else None
-        for r, chain in enumerate(chains):
-            merge_pos, node = [], 0
-            for tok in chain:
-                nxt = next((c for c in self.template.children[node] if full_rows[r][c] == tok), None)
-                if nxt is None:
-                    break
-                merge_pos.append(position[nxt])
-                node = nxt
-            merge_pos += [_NOT_VERIFIED] * (len(chain) - len(merge_pos))
-            rates_r = self.context_stats.path_rates(matches[r])[: len(chain)] if self.context_stats and chain else []
-            chain_info.append((merge_pos, rates_r))
-        caps = CHAIN_CAPS if self.context_stats is not None else (0,)
-        explore = self._steps % EXPLORE_EVERY == 0
-        plans = choose_plan(order_rates, chain_info, self.latency, self.node_candidates, caps, explore)
-        if not explore:
-            mean = sum(n for n, _ in plans) / max(1, len(plans))
-            self.mean_nodes += 0.1 * (mean - self.mean_nodes)
-        return plans
-
-    def _reorder(self, rates: list[float]) -> None:
-        paths = self.template.template
-        ranked = order_by_rates(paths, rates)
-        index = {p: i + 1 for i, p in enumerate(paths)}
-        order = [index[p] for p in ranked]
-        if order != self.order:
-            self.order = order
-            self._subtrees.clear()
-
     def _subtree(self, n: int) -> tuple[CompiledTree, torch.Tensor]:
         """The first ``n`` nodes of the current order as a tree, and their full-template indices."""
-        if n not in self._subtrees:
+        key = (n, self.budget.order_version if self.budget is not None else 0)
+        if key not in self._subtrees:
+            if self.budget is not None and key[1] > 0:
+                self._subtrees = {k: v for k, v in self._subtrees.items() if k[1] == key[1]}  # older orders
             nodes = self.order[:n]
             if self.template is not None and nodes == list(range(1, n + 1)) and n == self.template.num_nodes:
                 tree = self.template
             else:
                 paths = [self.template.template[i - 1] for i in nodes] if nodes else []
                 tree = compile_tree(paths, name=f"{self.template.name if self.template else 'none'}[{n}]")
-            self._subtrees[n] = (tree, torch.tensor(nodes, dtype=torch.long))
-        return self._subtrees[n]
+            self._subtrees[key] = (tree, torch.tensor(nodes, dtype=torch.long))
+        return self._subtrees[key]
 
     # ---- learning from the verification -----------------------------------------------------
     def observe(self, batch: DraftBatch, acceptance: Acceptance, seconds: float | None) -> None:
-        """Update the acceptance estimates (the model's argmax choices: for sampled rows too, as
-        a proxy) and the measured latency of this step's shape."""
-        rows = batch.tokens.shape[0]
-        if self.latency is not None and seconds is not None:
-            self.latency.observe(rows, batch.num_inputs, seconds, batch.tokens.shape[1])
-        if self.acceptance is not None:
-            n_full = self.template.num_nodes
-            cols = torch.cat([torch.zeros(1, dtype=torch.long), batch.template_nodes])
-            choice = torch.zeros(rows, n_full + 1, dtype=torch.long)
-            choice[:, cols] = acceptance.choices[:, : len(cols)]
-            verified = torch.zeros(rows, n_full + 1, dtype=torch.bool)
-            verified[:, cols] = torch.arange(len(cols))[None, :] <= torch.tensor(batch.row_nodes)[:, None]
-            self.acceptance.update(batch.template_draft, choice, verified)
-        if self.context_stats is not None and any(batch.chain_columns):
-            ok = acceptance.accepted_mask.tolist()
-            parents = batch.parents.tolist()
-            outcomes = []
-            for r, cols in enumerate(batch.chain_columns):
-                if cols:
-                    outcomes.append((batch.match_lengths[r], [ok[r][parents[r][c]] for c in cols],
-                                     [ok[r][c] for c in cols]))
-            self.context_stats.update(outcomes)
-
+        """Hand one verification to the budget (latency, node and branch acceptance), or to the
+        acceptance estimates a caller attached to a fixed tree."""
+        if self.budget is not None:
+            self.budget.observe(batch, acceptance, seconds)
+        elif self.acceptance is not None:
+            observe_template(self.acceptance, batch, acceptance)
