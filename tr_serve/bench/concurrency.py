@@ -30,6 +30,7 @@ from tr_serve.engine.config import EngineConfig
 from tr_serve.engine.engine import Engine
 from tr_serve.sampling_params import SamplingParams
 from tr_serve.tr.matrix import AdjacencyMatrix
+from tr_serve.tr.tree_spec import is_plain
 
 
 @dataclass(frozen=True)
@@ -196,7 +197,7 @@ def run_concurrency(loaded, schedule: dict[int, LevelPlan], max_new_tokens: int,
     from tr_serve.bench.provenance import environment, template_record
 
     _check_distinct(schedule)
-    if not methods or methods[0].tree != "none":
+    if not methods or not is_plain(methods[0].tree):
         raise ValueError("the first method must be the plain-decoding baseline (tree 'none')")
     rounds = len(next(iter(schedule.values())).rounds)
     vocab = loaded.model.config.vocab_size
