@@ -24,7 +24,7 @@ _ATTENTION = ("sdpa", "tr_serve_sdpa")  # the implementations whose arithmetic t
 
 
 def body_for(model: torch.nn.Module) -> Callable | None:
-    """``body(input_ids, position_ids, mask, cache) -> hidden states`` for ``model`` (a
+    """``body(input_ids, position_ids, mask, cache) -> packed hidden states`` for ``model`` (a
     ``LlamaForCausalLM``), or None when its forward must go through transformers."""
     cached = model.__dict__.get("_tr_llama_body")
     if cached is not None and cached[0] == _signature(model):
@@ -63,7 +63,7 @@ def _build(model) -> Callable | None:
         real tokens only (rows packed). On the slot cache with ascending rows, attention runs per
         segment of consecutive cache rows of one width (:meth:`SlotKVCache.plan_segments`), so no
         row pays for another row's width; otherwise over the padded [b, heads, s, d] layout.
-        Padded positions come back as zeros."""
+        Returns the real tokens' hidden states, packed in row order: [t, hidden]."""
         h = inner.embed_tokens(input_ids)
         cos, sin = inner.rotary_emb(h, position_ids)
         b, s = input_ids.shape
@@ -96,12 +96,7 @@ def _build(model) -> Callable | None:
                     o = o.reshape(b * s, -1)[real][None]
             h = h + attn.o_proj(o)
             h = h + layer.mlp(layer.post_attention_layernorm(h))
-        h = inner.norm(h)
-        if real is None:
-            return h.view(b, s, -1)
-        out = h.new_zeros(b * s, h.shape[-1])
-        out[real] = h[0]
-        return out.view(b, s, -1)
+        return inner.norm(h).reshape(-1, h.shape[-1])  # packed, row order
 
     return body
 

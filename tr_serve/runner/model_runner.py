@@ -88,15 +88,16 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward(self, rows: torch.Tensor, tokens: torch.Tensor, depths: torch.Tensor, local: torch.Tensor,
-                real: torch.Tensor | None = None, lengths: torch.Tensor | None = None) -> torch.Tensor:
-        """Hidden states [b, q, hidden] for ``tokens`` [b, q] at positions lens[row] + depths [b or 1, q].
+                lengths: torch.Tensor | None = None) -> torch.Tensor:
+        """Hidden states of the real tokens, packed in row order: [sum(lengths), hidden] ([b * q,
+        hidden] when ``lengths`` is None), for ``tokens`` [b, q] at positions lens[row] + depths
+        [b or 1, q]; lengths [b]: real tokens per row, the first of each row (padding after them).
 
-        real [b * q] bool (:func:`real_positions` of ``lengths``, the real tokens per row): the
-        tokens that are not padding. Where the model's body runs here (plain Llama on CPU), the
-        linear layers see only those (rows packed) and attention runs per segment of rows of one
-        width (padded layout only for rows out of cache order); padded positions come back as
-        zeros. Elsewhere every position is computed."""
-        q = tokens.shape[1]
+        Where the model's body runs here (plain Llama on CPU), the linear layers see only the real
+        tokens and attention runs per segment of rows of one width (padded layout only for rows
+        out of cache order). Elsewhere every position is computed and the real ones are kept."""
+        b, q = tokens.shape
+        real = real_positions(lengths, q, self.device)
         starts = self.cache.begin_step(rows, q)
         mask = build_step_mask(starts, local, self.cache.step_kv_len, self.dtype, self.device)
         positions = (starts[:, None] + depths).to(self.device)
@@ -110,7 +111,8 @@ class ModelRunner:
                 input_ids=tokens.to(self.device), attention_mask=mask, position_ids=positions,
                 cache=self.cache, use_cache=True,
             )
-        return out.last_hidden_state
+        hidden = out.last_hidden_state.reshape(b * q, -1)
+        return hidden if real is None else hidden[real]
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -136,12 +138,12 @@ class ModelRunner:
         valid = torch.arange(q)[None, :] < lengths[:, None]  # [b, q]
         local = causal[None] & valid[:, None, :]
         local = local | torch.eye(q, dtype=torch.bool)[None]  # pad queries see themselves: no empty rows
-        hidden = self.forward(rows, tokens, torch.arange(q)[None], local, real_positions(lengths, q, self.device), lengths)
-        last = hidden[torch.arange(b), (lengths - 1).to(self.device)]  # [b, hidden]
-        last_logits = self.logits(last)
+        hidden = self.forward(rows, tokens, torch.arange(q)[None], local, lengths)  # [sum(lengths), hidden]
+        ends = lengths.cumsum(0)
+        last_logits = self.logits(hidden[(ends - 1).to(self.device)])  # [b, V]
         every = None
         if all_positions:
-            every = [self.logits(hidden[i, : int(lengths[i])]) for i in range(b)]
+            every = [self.logits(hidden[int(e - n) : int(e)]) for e, n in zip(ends, lengths)]
         for i, row in enumerate(rows.tolist()):
             self.cache.set_length(row, int(self.cache.lens[row]) + int(lengths[i]))
         return last_logits, every
@@ -166,11 +168,10 @@ class ModelRunner:
         if tree_mask.dim() == 2:
             tree_mask = tree_mask[None]
         b, q = tokens.shape
-        real = real_positions(lengths, q, self.device)
-        hidden = self.forward(rows, safe, depths, tree_mask, real, lengths)
-        if real is None:
-            return self.logits(hidden)
-        return self.logits(hidden.reshape(b * q, -1)[real])  # the LM head over the real nodes only
+        if lengths is not None and not bool((lengths < q).any()):
+            lengths = None  # no row is padded
+        logits = self.logits(self.forward(rows, safe, depths, tree_mask, lengths))  # the real nodes only
+        return logits.view(b, q, -1) if lengths is None else logits
 
     def compact(self, rows: torch.Tensor, keep: list[torch.Tensor]) -> None:
         self.cache.compact(rows, keep)
