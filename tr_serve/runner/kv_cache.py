@@ -120,14 +120,14 @@ class SlotKVCache(Cache):
         self.step_rows = rows.to(self.device)
         self.step_num_rows = len(rows)
         first = int(rows[0])
-        consecutive = bool(torch.equal(rows, torch.arange(first, first + len(rows))))
-        self.step_row_range = (first, first + len(rows)) if consecutive else None
         self.step_single = (first, int(starts[0]), q) if len(rows) == 1 else None
         self.step_rows_col = self.step_rows[:, None]
         self.step_slots = (starts[:, None] + torch.arange(q)).to(self.device)  # [b, q]
         self.step_kv_len = int(starts.max()) + q
         self._step_row_list, self._step_starts = rows.tolist(), starts.tolist()
         self.step_runs = _runs(self._step_row_list)
+        one_run = self.step_runs is not None and len(self.step_runs) == 1
+        self.step_row_range = self.step_runs[0][2:] if one_run else None  # consecutive rows: a view
         return starts
 
     def plan_segments(self, widths: list[int]) -> list[Segment] | None:
