@@ -3,20 +3,22 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from tiny_model import tiny_loaded
 from tr_serve.engine.config import EngineConfig
 from tr_serve.engine.engine import Engine
 from tr_serve.sampling_params import SamplingParams
+from tr_serve.tr.matrix import AdjacencyMatrix
 
 
 def _seeded_prefills(engine: Engine, n_requests: int = 2) -> list[bool]:
     calls = []
     real = engine.runner.prefill
 
-    def prefill(rows, chunks, all_positions=False):
-        calls.append(all_positions)
-        return real(rows, chunks, all_positions)
+    def prefill(rows, chunks, logit_positions=None):
+        calls.append(logit_positions is not None)
+        return real(rows, chunks, logit_positions)
 
     engine.runner.prefill = prefill
     for i in range(n_requests):
@@ -44,3 +46,21 @@ def test_seeding_follows_the_budget(tokenizer, tmp_path, monkeypatch, budget):
         assert _seeded_prefills(engine) == [False, False]
     else:
         assert _seeded_prefills(engine) == [True, True]
+
+
+def test_seeding_writes_what_the_lm_head_over_every_prompt_position_would(tokenizer, tmp_path, monkeypatch):
+    """The engine runs the LM head over each distinct token's last position only; the matrix it
+    leaves equals a recycle of every position's logits."""
+    monkeypatch.setenv("TR_SERVE_CACHE", str(tmp_path))
+    loaded = tiny_loaded(tokenizer, seed=6)
+    engine = Engine(loaded, EngineConfig(model="tiny", tree="top4", max_num_seqs=2, max_model_len=64))
+    prompt = [5, 77, 300, 5, 12, 77, 77, 41, 300, 9]
+    engine.add_request(prompt, SamplingParams(max_tokens=1))
+    while engine.has_unfinished():
+        engine.step()
+    runner = engine.runner
+    _, every = runner.prefill(torch.tensor([1]), [prompt], logit_positions=[list(range(len(prompt)))])
+    want = AdjacencyMatrix(loaded.model.config.vocab_size, engine.matrix.k)
+    want.recycle(torch.tensor(prompt), every[0])
+    assert torch.equal(engine.matrix.table, want.table)
+    assert engine.matrix.num_filled_rows() == len(set(prompt))

@@ -17,7 +17,7 @@ def _run(model, plan, disable: bool, monkeypatch):
         monkeypatch.setattr("tr_serve.runner.model_runner.body_for", llama_body.body_for)
     runner = ModelRunner(model, 3, 48, kernel_plan=plan)
     rows = torch.tensor([2, 0])
-    last, every = runner.prefill(rows, [[5, 17, 99, 3, 250, 8, 41], [7, 7, 300]], all_positions=True)
+    last, every = runner.prefill(rows, [[5, 17, 99, 3, 250, 8, 41], [7, 7, 300]], logit_positions=[list(range(7)), [0, 1, 2]])
     tokens = torch.tensor([[7, 9, 11, 13], [21, 22, 23, 24]])
     depths = torch.tensor([[0, 1, 1, 2], [0, 1, 2, 3]])
     trees = torch.tensor([[[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 1, 0, 1]],
@@ -167,3 +167,24 @@ def test_rows_out_of_order_attend_over_a_gathered_copy():
     assert cache.step_runs is None
     cache.begin_step(torch.tensor([0, 1, 3]), 2)
     assert cache.step_runs == [(0, 2, 0, 2), (2, 3, 3, 4)]
+
+
+def test_seeding_logits_are_the_lm_heads_in_bfloat16_where_native(tokenizer, monkeypatch):
+    """Prompt seeding's logits only feed drafts: an fp32 CPU model computes them with a bfloat16
+    copy of its LM head where the CPU multiplies bfloat16 natively, and with its own head elsewhere."""
+    from tests.tiny_model import tiny_loaded
+    from tr_serve.runner import model_runner
+
+    model = tiny_loaded(tokenizer, seed=6, init_range=0.1).model
+    hidden = torch.randn(5, model.config.hidden_size)
+    for native in (True, False):
+        monkeypatch.setattr(model_runner, "cpu_has_bf16_dot", lambda: native)
+        runner = ModelRunner(model, 1, 16)
+        got = runner.draft_logits(hidden)
+        exact = runner.logits(hidden)
+        if native:
+            want = torch.nn.functional.linear(hidden.bfloat16(), model.lm_head.weight.bfloat16())
+            assert got.dtype == torch.bfloat16 and torch.equal(got, want)
+            assert torch.allclose(got.float(), exact, atol=0.05, rtol=0.02)
+        else:
+            assert torch.equal(got, exact)

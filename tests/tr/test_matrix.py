@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tr_serve.tr.matrix import EMPTY, AdjacencyMatrix
+from tr_serve.tr.matrix import EMPTY, AdjacencyMatrix, last_occurrences
 
 V = 10
 
@@ -155,3 +155,19 @@ def test_adopt_takes_the_table_and_keeps_the_given_rows():
     with pytest.raises(ValueError, match="shape"):
         m.adopt(torch.zeros(5, 2, dtype=torch.int32))
 
+
+
+def test_recycling_the_last_occurrences_equals_recycling_every_position():
+    tokens = [3, 1, 3, 7, 1, 1, 9, 3, 0]
+    assert last_occurrences(tokens) == [3, 5, 6, 7, 8]
+    assert last_occurrences([]) == []
+    logits = torch.randn(len(tokens), V, generator=torch.Generator().manual_seed(0))
+    every, seeded = AdjacencyMatrix(V, k=3), AdjacencyMatrix(V, k=3)
+    every.recycle(torch.tensor(tokens), logits)
+    keep = last_occurrences(tokens)
+    seeded.recycle(torch.tensor(tokens)[keep], logits[keep])
+    assert torch.equal(every.table, seeded.table)
+    # the first occurrence's logits would have written another row: the choice is not vacuous
+    first = AdjacencyMatrix(V, k=3)
+    first.recycle(torch.tensor([3]), logits[:1])
+    assert not torch.equal(first.table[3], every.table[3])

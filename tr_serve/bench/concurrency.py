@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from tr_serve.engine.async_engine import AsyncEngine
+from tr_serve.engine.timing import PhaseTimer
 from tr_serve.engine.config import EngineConfig
 from tr_serve.engine.engine import Engine
 from tr_serve.sampling_params import SamplingParams
@@ -181,7 +182,7 @@ def _check_distinct(schedule: dict[int, LevelPlan]) -> None:
 
 def run_concurrency(loaded, schedule: dict[int, LevelPlan], max_new_tokens: int,
                     methods: Sequence[ConcurrencyMethod] = DEFAULT_METHODS, progress=None,
-                    cpu_kernels: str = "auto", k: int = 8) -> dict:
+                    cpu_kernels: str = "auto", k: int = 8, time_split: bool = True) -> dict:
     """Serve ``schedule`` (level -> :class:`LevelPlan`, see :func:`plan_levels`) with every method;
     returns ``{"concurrency": {"N": {"methods": {NAME: {...}}, "question_ids": [[...] per round],
     "warmup_question_ids": [...]}}, "rounds": R, ...provenance}``.
@@ -209,7 +210,8 @@ def run_concurrency(loaded, schedule: dict[int, LevelPlan], max_new_tokens: int,
         for m in methods:
             cfg = EngineConfig(model=loaded.model_id, tree=m.tree, budget=m.budget, k=k, max_num_seqs=n,
                                max_model_len=4096, cpu_kernels=cpu_kernels)
-            cores[m.name] = Engine(loaded, cfg, matrix=matrices[m.name])
+            cores[m.name] = Engine(loaded, cfg, matrix=matrices[m.name],
+                                   timer=PhaseTimer(loaded.model.device, enabled=time_split))
         kernel_plan = cores[methods[0].name].runner.kernel_plan
         runs: dict[str, list[LevelResult]] = {m.name: [] for m in methods}
         for r, questions in enumerate(plan.rounds):
@@ -221,6 +223,7 @@ def run_concurrency(loaded, schedule: dict[int, LevelPlan], max_new_tokens: int,
                     if plan.warmup and r == 0:
                         asyncio.run(_serve_all(engine, [list(q.prompt_ids) for q in plan.warmup], n,
                                                max_new_tokens, f"warm-{m.name}-{n}"))
+                        cores[m.name].timer.reset()
                     runs[m.name].append(asyncio.run(_serve_all(engine, prompts, n, max_new_tokens,
                                                                f"{m.name}-{n}-r{r}", progress)))
                 finally:
@@ -244,6 +247,7 @@ def run_concurrency(loaded, schedule: dict[int, LevelPlan], max_new_tokens: int,
                 "new_tokens": r.tokens,
                 "verification_steps": r.steps,
                 "accepted": r.accepted,
+                **({"time_split": cores[m.name].timer.split()} if time_split else {}),
             }
             if mismatched:
                 table[m.name]["mismatched_questions"] = [{"round": ri, "question_id": q} for ri, q in mismatched]
@@ -266,6 +270,20 @@ def markdown(result: dict) -> str:
             rows.append(f"| {n} | {name} | {m['throughput_tokens_per_s']:.2f} | {m['throughput_vs_baseline']:.2f}x | "
                         f"{m['tokens_per_s']:.2f} | {mat} | {m['mean_tree_nodes']:.1f} | "
                         f"{'yes' if m['identical'] else 'NO'} |")
+    split = _split_table(result)
+    return "\n".join(rows) + (f"\n\nEngine time by phase:\n\n{split}" if split else "")
+
+
+def _split_table(result: dict) -> str | None:
+    """Per level and method, the share of engine time in each phase (None when not timed)."""
+    entries = [(n, name, m["time_split"]) for n, level in result["concurrency"].items()
+               for name, m in level["methods"].items() if m.get("time_split")]
+    if not entries:
+        return None
+    phases = sorted({p for _, _, split in entries for p in split})
+    rows = ["| concurrency | method | " + " | ".join(phases) + " |", "| ---: | --- |" + " ---: |" * len(phases)]
+    for n, name, split in entries:
+        rows.append(f"| {n} | {name} | " + " | ".join(f"{100 * split.get(p, 0.0):.1f}%" for p in phases) + " |")
     return "\n".join(rows)
 
 
@@ -337,7 +355,7 @@ def execute(args: argparse.Namespace) -> int:
                file=sys.stderr)
     try:
         result = run_concurrency(loaded, schedule, args.max_new_tokens, methods, progress=lambda: bar.update(1),
-                                 cpu_kernels=args.cpu_kernels, k=args.k)
+                                 cpu_kernels=args.cpu_kernels, k=args.k, time_split=args.time_split)
     finally:
         bar.close()
     result.update(model=args.model, device=device, questions_file=str(args.questions),

@@ -29,7 +29,7 @@ from tr_serve.sampling_params import SamplingParams
 from tr_serve.tr.budget import StepLatency
 from tr_serve.tr.draft import DraftBatch
 from tr_serve.tr.drafter import Drafter
-from tr_serve.tr.matrix import AdjacencyMatrix
+from tr_serve.tr.matrix import AdjacencyMatrix, last_occurrences
 from tr_serve.tr.sampling import process_logits, sample_token
 from tr_serve.tr.tree import compile_tree, load_template
 from tr_serve.tr.tree_spec import parse_tree_spec
@@ -165,15 +165,16 @@ class Engine:
         # drafts at least one verified node per step on average. Measured at 8 clients, where "auto"
         # mostly settles on plain decoding: seeding cost 5% of the wall time and the tree earned less.
         seeding = (self.spec.uses_matrix and self.config.prompt_seeding and self.drafter.mean_nodes >= 1.0)
-        with self.timer.phase("forward"):
-            last_logits, every = self.runner.prefill(rows, chunks, all_positions=seeding)
+        seeds = [last_occurrences(c) for c in chunks] if seeding else None  # the positions recycle keeps
+        with self.timer.phase("prefill"):
+            last_logits, seed_logits = self.runner.prefill(rows, chunks, logit_positions=seeds)
         done = []
         for i, (req, chunk) in enumerate(zip(batch, chunks)):
             req.num_prefilled += len(chunk)
             if self.spec.uses_matrix:
                 with self.timer.phase("recycle"):
                     if seeding:
-                        self.matrix.recycle(torch.tensor(chunk), every[i])
+                        self.matrix.recycle(torch.tensor(chunk)[seeds[i]], seed_logits[i])
                     elif req.num_prefilled == len(req.prompt_ids):
                         self.matrix.recycle(torch.tensor(chunk[-1:]), last_logits[i : i + 1])
             if req.num_prefilled == len(req.prompt_ids):

@@ -65,6 +65,27 @@ def rows_within_budget(config, max_len: int, dtype: torch.dtype, max_rows: int, 
     return min(rows, max_rows)
 
 
+def cpu_has_bf16_dot() -> bool:
+    """Whether this CPU multiplies bfloat16 natively (AVX512-BF16 or AMX): there a bfloat16 GEMM
+    is about 3x an fp32 one; without it torch emulates bfloat16 and is slower than fp32."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = f.read()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def _bf16_head(model: torch.nn.Module) -> torch.Tensor | bool:
+    """A bfloat16 copy of an fp32 model's LM head weight where bfloat16 is native, else False."""
+    head = getattr(model, "lm_head", None)
+    weight = getattr(head, "weight", None)
+    if (not isinstance(head, torch.nn.Linear) or head.bias is not None or weight is None
+            or weight.dtype != torch.float32 or not cpu_has_bf16_dot()):
+        return False
+    return weight.detach().to(torch.bfloat16)
+
+
 class ModelRunner:
     """Owns the model and its KV cache of ``num_rows`` sequences of at most ``max_len`` tokens."""
 
@@ -79,6 +100,7 @@ class ModelRunner:
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
         self.cache = SlotKVCache(cfg.num_hidden_layers, num_rows, max_len, kv_heads, head_dim, self.dtype, self.device)
+        self._draft_head: torch.Tensor | bool | None = None  # see draft_logits; built at first use
 
     def length(self, row: int) -> int:
         return int(self.cache.lens[row])
@@ -119,14 +141,28 @@ class ModelRunner:
         with self._kernels():
             return self.model.lm_head(hidden).float()
 
+    @torch.inference_mode()
+    def draft_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits that only ever feed drafts (prompt seeding: their top-k goes into the matrix, never
+        into the output), so their precision costs speed, not correctness. An fp32 model's LM head
+        runs in bfloat16 on a CPU with native bfloat16 dot products (measured here, 184 prompt
+        positions with the top-k: 93 -> 32 ms); elsewhere these are :meth:`logits`."""
+        if self._draft_head is None:
+            self._draft_head = _bf16_head(self.model) if self.device.type == "cpu" else False
+        if self._draft_head is False:
+            return self.logits(hidden)
+        return torch.nn.functional.linear(hidden.to(torch.bfloat16), self._draft_head)
+
     def _kernels(self):
         return self.kernel_plan.active() if self.kernel_plan is not None else contextlib.nullcontext()
 
     @torch.inference_mode()
-    def prefill(self, rows: torch.Tensor, prompts: list[list[int]], all_positions: bool = False):
+    def prefill(self, rows: torch.Tensor, prompts: list[list[int]],
+                logit_positions: list[list[int]] | None = None):
         """Write the prompts into empty ``rows`` (one right-padded forward).
 
-        Returns (last_logits [b, V], per-row logits at every prompt position or None).
+        Returns (last_logits [b, V], per row the logits at its ``logit_positions`` [n_i, V], or
+        None): the LM head runs over the last positions and the asked-for ones only.
         """
         b = len(prompts)
         lengths = torch.tensor([len(p) for p in prompts])
@@ -141,12 +177,14 @@ class ModelRunner:
         hidden = self.forward(rows, tokens, torch.arange(q)[None], local, lengths)  # [sum(lengths), hidden]
         ends = lengths.cumsum(0)
         last_logits = self.logits(hidden[(ends - 1).to(self.device)])  # [b, V]
-        every = None
-        if all_positions:
-            every = [self.logits(hidden[int(e - n) : int(e)]) for e, n in zip(ends, lengths)]
+        picked = None
+        if logit_positions is not None:
+            starts = (ends - lengths).tolist()
+            picked = [self.draft_logits(hidden[torch.tensor(pos, dtype=torch.long).add_(start).to(self.device)])
+                      for start, pos in zip(starts, logit_positions)]
         for i, row in enumerate(rows.tolist()):
             self.cache.set_length(row, int(self.cache.lens[row]) + int(lengths[i]))
-        return last_logits, every
+        return last_logits, picked
 
     @torch.inference_mode()
     def verify(self, rows: torch.Tensor, tokens: torch.Tensor, depths: torch.Tensor, tree_mask: torch.Tensor,

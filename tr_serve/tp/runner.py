@@ -237,10 +237,12 @@ class TPModelRunner:
         for row, k in zip(rows.tolist(), keep):
             self._lens[row] += len(k)
 
-    def prefill(self, rows: torch.Tensor, prompts: list[list[int]], all_positions: bool = False):
-        """As ``ModelRunner.prefill``: (last_logits [b, V], every position's logits per row or None)."""
+    def prefill(self, rows: torch.Tensor, prompts: list[list[int]],
+                logit_positions: list[list[int]] | None = None):
+        """As ``ModelRunner.prefill``: (last_logits [b, V], per row the logits at its
+        ``logit_positions``, or None)."""
         rows = rows.cpu()
-        result = self._forward(("prefill", rows, [list(p) for p in prompts], all_positions))
+        result = self._forward(("prefill", rows, [list(p) for p in prompts], logit_positions))
         for row, p in zip(rows.tolist(), prompts):
             self._lens[row] += len(p)
         return result

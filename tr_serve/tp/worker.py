@@ -133,7 +133,7 @@ class TPWorker:
     # ---- serving ------------------------------------------------------------------------------
     def run(self, ops: list[tuple]) -> Any:
         """Apply ``ops`` in order: ``("free", row)``, ``("compact", rows, keep)``, then at most one
-        forward, ``("prefill", rows, prompts, all_positions)`` or ``("verify", rows, tokens,
+        forward, ``("prefill", rows, prompts, logit_positions)`` or ``("verify", rows, tokens,
         depths, tree_mask, lengths)``. Rank 0 returns the forward's result, the others None."""
         runner = self.runner
         result = None
@@ -144,7 +144,7 @@ class TPWorker:
             elif kind == "compact":
                 runner.compact(op[1], op[2])
             elif kind == "prefill":
-                result = runner.prefill(op[1], op[2], all_positions=op[3])
+                result = runner.prefill(op[1], op[2], logit_positions=op[3])
             elif kind == "verify":
                 _, rows, tokens, depths, mask, lengths = op
                 if lengths is None:  # only passed when given: a runner without the argument still works
