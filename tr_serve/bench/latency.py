@@ -99,7 +99,8 @@ def run_latency(loaded, cpu_kernels: str = "auto", contexts: Sequence[int] = CON
         raise ValueError("contexts and query token counts must be positive")
     model = loaded.model
     plan = select_plan(model) if cpu_kernels == "auto" else None
-    runner = ModelRunner(model, len(contexts), max(contexts) + max(query_tokens) + 1, kernel_plan=plan)
+    runner = ModelRunner(model, len(contexts), max(contexts) + max(query_tokens) + 1, kernel_plan=plan,
+                         tree_attention_enabled=cpu_kernels == "auto")
     seconds = measure_latency(runner, contexts, query_tokens, rounds, progress=progress)
     latency = {str(c): {str(q): round(s * 1000, 3) for q, s in row.items()} for c, row in seconds.items()}
     first = query_tokens[0]

@@ -35,8 +35,8 @@ class EngineConfig:
     kv_cache_memory_gb: float | None = None  # caps rows x max_model_len; None = max_num_seqs rows
     budget: str = "fixed"
     online_latency: bool = True  # budget "auto": correct the calibrated latency with measured steps
-    # "auto": on CPU in float32, the fastest measured linear kernel per token count (runner/cpu_kernels.py);
-    # "torch": torch's own F.linear everywhere
+    # "auto": on CPU in float32, the fastest measured linear kernel per token count (runner/cpu_kernels.py)
+    # and the native tree attention (runner/tree_attention.py); "torch": torch's own F.linear and attention
     cpu_kernels: str = "auto"
 
     def __post_init__(self) -> None:

@@ -66,7 +66,8 @@ class Engine:
             self.num_rows = rows_within_budget(loaded.model.config, max_len, dtype, config.max_num_seqs,
                                                config.kv_cache_memory_gb)
             plan = select_plan(loaded.model) if config.cpu_kernels == "auto" else None  # None unless fp32 on CPU
-            self.runner = ModelRunner(loaded.model, self.num_rows, max_len, kernel_plan=plan)
+            self.runner = ModelRunner(loaded.model, self.num_rows, max_len, kernel_plan=plan,
+                                     tree_attention_enabled=config.cpu_kernels == "auto")
         else:
             self.runner, self.num_rows = runner(max_len)
         vocab = self.runner.vocab_size

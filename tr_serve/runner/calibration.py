@@ -26,7 +26,8 @@ def _device_name(device: torch.device) -> str:
 
 
 def calibration_key(model_id: str, runner: ModelRunner) -> str:
-    raw = f"{model_id}|{_device_name(runner.device)}|{runner.dtype}|{torch.__version__}|{runner.kernel_plan}"
+    attention = "tree-attention" if getattr(runner, "tree_attention", False) else "sdpa"  # the kernels timed
+    raw = f"{model_id}|{_device_name(runner.device)}|{runner.dtype}|{torch.__version__}|{runner.kernel_plan}|{attention}"
     return hashlib.sha256(raw.encode()).hexdigest()[:20]
 
 

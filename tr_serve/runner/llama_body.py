@@ -1,6 +1,7 @@
 """The decoder body of a transformers Llama model, called layer by layer without the framework
 around it: the same modules and the same tensor operations in the same order, so the hidden
-states are bit-identical to ``model.model(...)``.
+states are bit-identical to ``model.model(...)`` (with torch's attention; the runner's native
+tree attention, :mod:`tr_serve.runner.tree_attention`, sums in another order).
 
 Why: on CPU a one-token forward of a small model spends a good part of its time outside the
 kernels. transformers' per-layer wrappers (gradient-checkpointing layer calls, keyword-argument
@@ -19,6 +20,8 @@ from typing import Callable
 
 import torch
 import torch.nn.functional as F
+
+from tr_serve.runner import tree_attention
 
 _ATTENTION = ("sdpa", "tr_serve_sdpa")  # the implementations whose arithmetic the body reproduces
 
@@ -56,14 +59,16 @@ def _build(model) -> Callable | None:
     if rotary is None:
         return None
 
-    def body(input_ids: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor, cache,
-             real: torch.Tensor | None = None, widths: list[int] | None = None) -> torch.Tensor:
+    def body(input_ids: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor | None, cache,
+             real: torch.Tensor | None = None, widths: list[int] | None = None,
+             queries: tree_attention.StepQueries | None = None) -> torch.Tensor:
         """real: indices of the real tokens in the flattened [b * s] batch (None: all); widths:
         real tokens per row, the first of each row (None: s each). The linear layers run over the
         real tokens only (rows packed). On the slot cache with ascending rows, attention runs per
         segment of consecutive cache rows of one width (:meth:`SlotKVCache.plan_segments`), so no
-        row pays for another row's width; otherwise over the padded [b, heads, s, d] layout.
-        Returns the real tokens' hidden states, packed in row order: [t, hidden]."""
+        row pays for another row's width, or, given ``queries``, through the native tree attention
+        in one call per layer (then ``mask`` is not needed); otherwise over the padded [b, heads,
+        s, d] layout. Returns the real tokens' hidden states, packed in row order: [t, hidden]."""
         h = inner.embed_tokens(input_ids)
         cos, sin = inner.rotary_emb(h, position_ids)
         b, s = input_ids.shape
@@ -83,7 +88,11 @@ def _build(model) -> Callable | None:
             k = attn.k_proj(x).view(shape).transpose(1, 2)
             v = attn.v_proj(x).view(shape).transpose(1, 2)
             q, k = rotary(q, k, cos, sin)
-            if segments is not None:
+            if segments is not None and queries is not None:
+                slot = cache.layers[i]
+                slot.write_packed(k[0].transpose(0, 1), v[0].transpose(0, 1))
+                o = tree_attention.attend(q[0].transpose(0, 1), slot.keys, slot.values, queries, attn.scaling)[None]
+            elif segments is not None:
                 o = _attend_segments(cache.layers[i], segments, q, k, v, mask, attn.scaling)
             else:
                 if real is not None:

@@ -11,6 +11,7 @@ import contextlib
 import torch
 
 from tr_serve.runner.attention import runner_attention
+from tr_serve.runner import tree_attention
 from tr_serve.runner.cpu_kernels import KernelPlan
 from tr_serve.runner.kv_cache import SlotKVCache
 from tr_serve.runner.llama_body import body_for
@@ -89,7 +90,8 @@ def _bf16_head(model: torch.nn.Module) -> torch.Tensor | bool:
 class ModelRunner:
     """Owns the model and its KV cache of ``num_rows`` sequences of at most ``max_len`` tokens."""
 
-    def __init__(self, model: torch.nn.Module, num_rows: int, max_len: int, kernel_plan: KernelPlan | None = None):
+    def __init__(self, model: torch.nn.Module, num_rows: int, max_len: int, kernel_plan: KernelPlan | None = None,
+                 tree_attention_enabled: bool = True):
         cfg = model.config
         self.kernel_plan = kernel_plan  # faster fp32 CPU linears inside this runner's forwards only
         self.model = model
@@ -101,6 +103,10 @@ class ModelRunner:
         kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
         self.cache = SlotKVCache(cfg.num_hidden_layers, num_rows, max_len, kv_heads, head_dim, self.dtype, self.device)
         self._draft_head: torch.Tensor | bool | None = None  # see draft_logits; built at first use
+        # fp32 on CPU: attention through the native kernel, one call per layer for every row and width
+        self.tree_attention = (tree_attention_enabled and self.device.type == "cpu" and self.dtype == torch.float32
+                               and tree_attention.supports(cfg.num_attention_heads, kv_heads, head_dim)
+                               and tree_attention.available())
 
     def length(self, row: int) -> int:
         return int(self.cache.lens[row])
@@ -121,14 +127,19 @@ class ModelRunner:
         b, q = tokens.shape
         real = real_positions(lengths, q, self.device)
         starts = self.cache.begin_step(rows, q)
-        mask = build_step_mask(starts, local, self.cache.step_kv_len, self.dtype, self.device)
         positions = (starts[:, None] + depths).to(self.device)
         body = body_for(self.model)  # plain Llama: its layers without transformers' wrappers, same arithmetic
+        queries = None
+        if body is not None and self.tree_attention and self.cache.step_runs is not None:  # rows ascending
+            widths = lengths.tolist() if lengths is not None else [q] * b
+            queries = tree_attention.step_queries(rows.tolist(), starts.tolist(), widths, local)
+        mask = None if queries is not None else build_step_mask(starts, local, self.cache.step_kv_len, self.dtype,
+                                                                self.device)
         with self._kernels(), runner_attention(self.model):
             if body is not None:
                 index = real.nonzero().flatten() if real is not None else None
                 widths = lengths.tolist() if lengths is not None else None
-                return body(tokens.to(self.device), positions, mask, self.cache, index, widths)
+                return body(tokens.to(self.device), positions, mask, self.cache, index, widths, queries)
             out = self.model.model(
                 input_ids=tokens.to(self.device), attention_mask=mask, position_ids=positions,
                 cache=self.cache, use_cache=True,

@@ -28,18 +28,15 @@ fails, :func:`load` returns None and the kernel plan never offers this kernel.
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import logging
 import os
-import platform
-import re
-import shutil
 import subprocess
 import threading
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+
+from tr_serve.runner import native
 
 logger = logging.getLogger(__name__)
 
@@ -145,45 +142,7 @@ _tried = False
 
 
 def _compiler() -> str | None:
-    for name in (os.environ.get("CC"), "cc", "gcc"):
-        if name and shutil.which(name):
-            return shutil.which(name)
-    return None
-
-
-def _torch_gomp_loaded() -> bool:
-    """torch's OpenMP runtime is libgomp and already mapped, so ours resolves to the same copy."""
-    try:
-        maps = open("/proc/self/maps").read()
-    except OSError:
-        return False
-    return re.search(r"/libgomp[\w.-]*\.so", maps) is not None
-
-
-def _build(cc: str, folder: Path) -> Path:
-    version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout.splitlines()[:1]
-    flags = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11"]
-    cpu = platform.processor() or platform.machine()
-    try:  # -march=native follows the CPU's flags: part of the key
-        cpu += "".join(line for line in open("/proc/cpuinfo") if line.startswith("flags"))[:4000]
-    except OSError:
-        pass
-    key = hashlib.sha256(f"{SOURCE}|{flags}|{version}|{cpu}".encode()).hexdigest()[:20]
-    lib = folder / f"panel_gemm-{key}.so"
-    if lib.exists():
-        return lib
-    folder.mkdir(parents=True, exist_ok=True)
-    src = folder / f"panel_gemm-{key}.{os.getpid()}.c"
-    tmp = folder / f"panel_gemm-{key}.{os.getpid()}.so"
-    src.write_text(SOURCE)
-    try:
-        subprocess.run([cc, *flags, str(src), "-o", str(tmp)], check=True, capture_output=True, text=True,
-                       timeout=120)
-        tmp.replace(lib)  # atomic: concurrent builders never load a half-written library
-    finally:
-        src.unlink(missing_ok=True)
-        tmp.unlink(missing_ok=True)
-    return lib
+    return native.compiler()
 
 
 def _self_check(lib: ctypes.CDLL) -> bool:
@@ -208,13 +167,13 @@ def load() -> ctypes.CDLL | None:
         if os.environ.get("TR_SERVE_PANEL_GEMM", "1") == "0":
             return None
         cc = _compiler()
-        if cc is None or not _torch_gomp_loaded():
+        if cc is None or not native.torch_gomp_loaded():
             logger.info("panel GEMM unavailable (%s)", "no C compiler" if cc is None else "torch does not use libgomp")
             return None
         try:
             from tr_serve.model_loader import cache_root
 
-            lib = ctypes.CDLL(str(_build(cc, cache_root() / "kernels")))
+            lib = ctypes.CDLL(str(native.build(cc, "panel_gemm", SOURCE, cache_root() / "kernels")))
             fn = lib.tr_panel_gemm
             fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
                            ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int]

@@ -127,7 +127,8 @@ class TPWorker:
         dtype = next(model.parameters()).dtype
         num_rows = rows_within_budget(model.config, max_len, dtype, max_rows, kv_cache_memory_gb)
         plan = select_plan(model) if cpu_kernels == "auto" else None  # None unless fp32 on CPU
-        self.runner = ModelRunner(model, num_rows, max_len, kernel_plan=plan)
+        self.runner = ModelRunner(model, num_rows, max_len, kernel_plan=plan,
+                                  tree_attention_enabled=cpu_kernels == "auto")
         return {"num_rows": num_rows, "kernel_plan": repr(plan)}
 
     # ---- serving ------------------------------------------------------------------------------

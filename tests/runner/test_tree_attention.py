@@ -1,0 +1,112 @@
+"""The native tree attention: torch's attention per query token, batch invariant, optional."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tr_serve.runner import native
+from tr_serve.runner import tree_attention as ta
+from tr_serve.runner.model_runner import ModelRunner
+
+needs_kernel = pytest.mark.skipif(ta.load() is None, reason="no C compiler or torch without libgomp here")
+
+
+def _step(g: torch.Generator, heads: int, kv_heads: int, d: int, widths: list[int], rows: list[int],
+          starts: list[int], max_len: int = 96):
+    keys = torch.randn(6, kv_heads, max_len, d, generator=g)
+    values = torch.randn(6, kv_heads, max_len, d, generator=g)
+    w = max(widths)
+    local = (torch.rand(len(rows), w, w, generator=g) > 0.4) & torch.ones(w, w, dtype=torch.bool).tril()
+    local |= torch.eye(w, dtype=torch.bool)  # every node sees itself, and only earlier nodes (its ancestors)
+    local[:, :, 0] = True  # and the root
+    queries = ta.step_queries(rows, starts, widths, local)
+    q = torch.randn(sum(widths), heads, d, generator=g)
+    return q, keys, values, queries, local
+
+
+@needs_kernel
+@pytest.mark.parametrize("heads,kv_heads,d", [(9, 3, 64), (8, 8, 16), (32, 8, 128), (6, 2, 48)])
+def test_matches_torch_attention_per_token(heads, kv_heads, d):
+    g = torch.Generator().manual_seed(heads + d)
+    # rows out of order and not consecutive, widths 1-7, prefixes across the 16-key blocks
+    q, keys, values, queries, _ = _step(g, heads, kv_heads, d, [5, 1, 7, 3], [4, 0, 2, 5], [0, 33, 16, 80])
+    got = ta.attend(q, keys, values, queries, d ** -0.5)
+    assert got.shape == (q.shape[0], heads * d)
+    torch.testing.assert_close(got, ta.reference(q, keys, values, queries, d ** -0.5), rtol=1e-5, atol=2e-6)
+
+
+@needs_kernel
+def test_a_tokens_result_does_not_depend_on_the_rest_of_the_step():
+    g = torch.Generator().manual_seed(1)
+    q, keys, values, queries, local = _step(g, 9, 3, 64, [6, 4], [1, 3], [40, 57])
+    full = ta.attend(q, keys, values, queries, 0.125)
+    # row 1 alone, then its token 2 alone (it sees the root and what local says)
+    alone = ta.attend(q[6:], keys, values, ta.step_queries([3], [57], [4], local[1:, :4, :4]), 0.125)
+    assert torch.equal(alone, full[6:])
+    one = ta.step_queries([3], [57], [1], local[1:, :1, :1])
+    assert torch.equal(ta.attend(q[6:7], keys, values, one, 0.125), full[6:7])
+
+
+@needs_kernel
+def test_masked_slots_do_not_count():
+    """A query that does not see a new slot gets the same result whatever that slot holds."""
+    g = torch.Generator().manual_seed(2)
+    q, keys, values, queries, local = _step(g, 9, 3, 64, [4], [0], [20])
+    hidden = [m for m in range(4) if not bool(queries.visible[3, m])]
+    assert hidden, "the draw must hide a slot from the last token"
+    before = ta.attend(q, keys, values, queries, 0.125)[3]
+    keys[0, :, 20 + hidden[0]] += 1000.0
+    values[0, :, 20 + hidden[0]] -= 1000.0
+    assert torch.equal(ta.attend(q, keys, values, queries, 0.125)[3], before)
+
+
+def test_unavailable_without_a_compiler(monkeypatch):
+    monkeypatch.setattr(ta, "_tried", False)
+    monkeypatch.setattr(ta, "_lib", None)
+    monkeypatch.setattr(native, "compiler", lambda: None)
+    assert ta.load() is None and not ta.available()
+    with pytest.raises(RuntimeError):
+        ta.attend(torch.randn(1, 2, 16), torch.randn(1, 2, 4, 16), torch.randn(1, 2, 4, 16),
+                  ta.step_queries([0], [1], [1], torch.ones(1, 1, 1, dtype=torch.bool)), 1.0)
+
+
+def test_runner_falls_back_to_torch_attention_when_switched_off(monkeypatch, tokenizer):
+    from tests.tiny_model import tiny_loaded
+
+    monkeypatch.setattr(ta, "_tried", False)
+    monkeypatch.setattr(ta, "_lib", None)
+    monkeypatch.setenv("TR_SERVE_TREE_ATTENTION", "0")
+    model = tiny_loaded(tokenizer).model
+    assert ModelRunner(model, 1, 16).tree_attention is False
+
+
+def test_shapes_it_takes():
+    assert ta.supports(9, 3, 64) and ta.supports(64, 8, 128)
+    assert not ta.supports(9, 3, 8)  # head size not a multiple of 16
+    assert not ta.supports(9, 2, 64)  # heads not a multiple of kv heads
+    assert not ta.supports(64, 2, 64)  # 32 heads per kv head
+
+
+@needs_kernel
+def test_runner_verify_with_native_attention_matches_torch_attention(tokenizer):
+    """A ragged verify (three rows, widths 1-4, a gap in the rows) through the runner gives the
+    same logits with the native kernel as with torch's attention, up to summation order."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+    config._attn_implementation = "sdpa"
+    model = LlamaForCausalLM(config).eval().requires_grad_(False)
+    out = []
+    for native_attention in (True, False):
+        runner = ModelRunner(model, 4, 64, tree_attention_enabled=native_attention)
+        assert runner.tree_attention is native_attention
+        runner.prefill(torch.tensor([0, 1, 3]), [[5, 9, 11], [7, 7, 300, 2, 8], [40]])
+        tokens = torch.tensor([[3, 4, 5, 6], [8, 9, 0, 0], [1, 0, 0, 0]])
+        depths = torch.tensor([[0, 1, 1, 2], [0, 1, 0, 0], [0, 0, 0, 0]])
+        tree = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 1, 0, 1]], dtype=torch.bool)
+        out.append(runner.verify(torch.tensor([0, 1, 3]), tokens, depths, tree, torch.tensor([4, 2, 1])))
+    assert out[0].shape == (7, 512)
+    torch.testing.assert_close(out[0], out[1], rtol=1e-4, atol=1e-4)

@@ -1,0 +1,64 @@
+"""Building the runner's small C kernels on this machine (panel GEMM, tree attention).
+
+Why: each kernel is a few hundred lines of portable C (GCC vector extensions) compiled with
+``-march=native`` by the C compiler found at start-up, so it uses AVX-512 where the CPU has it and
+AVX2 or NEON elsewhere. Libraries are cached per source, flags, compiler and CPU flags in the
+tr_serve cache, and link ``libgomp.so.1``: the copy torch has already loaded, so the kernels run on
+torch's own OpenMP team and never compete with its threads.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import platform
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11")
+
+
+def compiler() -> str | None:
+    """``$CC``, ``cc`` or ``gcc``, whichever is found first."""
+    for name in (os.environ.get("CC"), "cc", "gcc"):
+        if name and shutil.which(name):
+            return shutil.which(name)
+    return None
+
+
+def torch_gomp_loaded() -> bool:
+    """torch's OpenMP runtime is libgomp and already mapped, so ours resolves to the same copy."""
+    try:
+        maps = open("/proc/self/maps").read()
+    except OSError:
+        return False
+    return re.search(r"/libgomp[\w.-]*\.so", maps) is not None
+
+
+def build(cc: str, name: str, source: str, folder: Path, extra_flags: tuple[str, ...] = ()) -> Path:
+    """The shared library of ``source`` in ``folder`` (compiled unless cached)."""
+    flags = [*FLAGS, *extra_flags]
+    version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout.splitlines()[:1]
+    cpu = platform.processor() or platform.machine()
+    try:  # -march=native follows the CPU's flags: part of the key
+        cpu += "".join(line for line in open("/proc/cpuinfo") if line.startswith("flags"))[:4000]
+    except OSError:
+        pass
+    key = hashlib.sha256(f"{source}|{flags}|{version}|{cpu}".encode()).hexdigest()[:20]
+    lib = folder / f"{name}-{key}.so"
+    if lib.exists():
+        return lib
+    folder.mkdir(parents=True, exist_ok=True)
+    src = folder / f"{name}-{key}.{os.getpid()}.c"
+    tmp = folder / f"{name}-{key}.{os.getpid()}.so"
+    src.write_text(source)
+    try:
+        subprocess.run([cc, *flags, str(src), "-o", str(tmp)], check=True, capture_output=True, text=True,
+                       timeout=120)
+        tmp.replace(lib)  # atomic: concurrent builders never load a half-written library
+    finally:
+        src.unlink(missing_ok=True)
+        tmp.unlink(missing_ok=True)
+    return lib

@@ -1,0 +1,337 @@
+"""Attention for a verify step's few query tokens per row, on CPU, compiled on this machine.
+
+Why: torch's CPU flash attention is built for long query blocks. For the 1-16 query tokens a row
+verifies it costs far more than its arithmetic (SmolLM2-135M, 2 threads, a 300-token context:
+30 us per layer for 1 token, 98 us for 8; the dot products are ~3 MFLOP), and through the
+per-segment calls of a 16-row step it grows with every row. This kernel takes the step's packed
+query tokens as they are (each with its cache row, its row's prefix length and which of the
+step's new slots it sees: its tree ancestors and itself), so one call per layer serves every row
+and width, with no 4D mask and no padding.
+
+Per (query token, key/value head) it computes, for the heads that share that key/value head, the
+scaled dot products over the visible slots, a softmax (max subtracted, a vectorised exp of the
+Cephes polynomial, ~1 ulp), and the weighted sum of values. The order of every sum is fixed by
+the code, not by the number of queries or rows in the call: a token's result is bit-identical
+whatever else is in the step (batch invariant; torch's flash attention is not), and close to
+torch's. It runs on torch's OpenMP team (:mod:`tr_serve.runner.native`).
+
+Nothing here is required: without a compiler, without torch's libgomp, for head sizes that are
+not a multiple of 16 or when the self-check fails, :func:`load` returns None and the runner keeps
+torch's attention. ``TR_SERVE_TREE_ATTENTION=0`` turns it off.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import subprocess
+import threading
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+from tr_serve.runner import native
+
+logger = logging.getLogger(__name__)
+
+SOURCE = r"""
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <math.h>
+
+typedef float v16 __attribute__((vector_size(64)));
+typedef int32_t i16 __attribute__((vector_size(64)));
+
+static inline v16 load16(const float *p) { v16 v; memcpy(&v, p, sizeof v); return v; }
+static inline void store16(float *p, v16 v) { memcpy(p, &v, sizeof v); }
+static inline v16 splat(float x) { return (v16){0} + x; }
+
+/* sum of the 16 lanes, halves folded in a fixed order */
+static inline float hsum(v16 a) {
+    a += __builtin_shuffle(a, (i16){8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7});
+    a += __builtin_shuffle(a, (i16){4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11});
+    a += __builtin_shuffle(a, (i16){2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13});
+    a += __builtin_shuffle(a, (i16){1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14});
+    return a[0];
+}
+
+static inline v16 vmax(v16 a, v16 b) { i16 m = a < b; return (v16)(((i16)a & ~m) | ((i16)b & m)); }
+
+/* exp(x) for x <= 0 (Cephes expf); lanes below -87 (masked slots are -inf) give 0 */
+static inline v16 vexp(v16 x) {
+    i16 dead = x < splat(-87.0f);
+    x = vmax(x, splat(-87.0f));
+    const float magic = 12582912.0f; /* 1.5 * 2^23: adding it rounds to an integer */
+    v16 t = x * 1.44269504088896341f + magic;
+    v16 n = t - magic;
+    v16 r = x - n * 0.693359375f;
+    r = r - n * -2.12194440e-4f;
+    v16 p = r * 1.9875691500e-4f + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * (r * r) + r + 1.0f;
+    i16 e = ((i16)t - (i16)splat(magic) + 127) << 23;
+    return (v16)((i16)(p * (v16)e) & ~dead);
+}
+
+/* a[j] = lane partials of key j's dot product: the 16 sums, in key order, in one vector. Four levels
+   fold pairs of vectors (lanes end in bit-reversed key order), then one shuffle restores the order. */
+static inline v16 transpose_sum16(v16 *a) {
+    v16 b[8], c[4], d[2];
+    for (int p = 0; p < 8; p++)
+        b[p] = __builtin_shuffle(a[2 * p], a[2 * p + 1], (i16){0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23})
+             + __builtin_shuffle(a[2 * p], a[2 * p + 1], (i16){8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31});
+    for (int p = 0; p < 4; p++)
+        c[p] = __builtin_shuffle(b[2 * p], b[2 * p + 1], (i16){0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27})
+             + __builtin_shuffle(b[2 * p], b[2 * p + 1], (i16){4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31});
+    for (int p = 0; p < 2; p++)
+        d[p] = __builtin_shuffle(c[2 * p], c[2 * p + 1], (i16){0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29})
+             + __builtin_shuffle(c[2 * p], c[2 * p + 1], (i16){2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31});
+    v16 e = __builtin_shuffle(d[0], d[1], (i16){0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30})
+          + __builtin_shuffle(d[0], d[1], (i16){1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31});
+    return __builtin_shuffle(e, (i16){0, 8, 4, 12, 2, 10, 6, 14, 1, 9, 5, 13, 3, 11, 7, 15});
+}
+
+/* dot products of one head's query (DV vectors) with 16 consecutive keys [16][16 * DV] */
+static inline __attribute__((always_inline)) v16 block16(const v16 *qh, const float *K, const int DV) {
+    v16 a[16];
+    for (int j = 0; j < 16; j++) {
+        v16 acc = (v16){0};
+        for (int c = 0; c < DV; c++) acc += qh[c] * load16(K + j * 16 * DV + 16 * c);
+        a[j] = acc;
+    }
+    return transpose_sum16(a);
+}
+
+static __thread float *sbuf;
+static __thread int64_t scap;
+
+/* one query token, the NH heads that share key/value head g; DV = head_dim / 16 */
+static inline __attribute__((always_inline)) int one(
+        const float *q, float *out, const float *K, const float *V, const int64_t P, const uint8_t *vis,
+        const int64_t W, const float scale, const int NH, const int DV) {
+    const int64_t D = 16 * DV, L = P + W, Lp = (L + 15) / 16 * 16;
+    if (NH * Lp > scap) {
+        free(sbuf);
+        sbuf = malloc(sizeof(float) * NH * Lp);
+        scap = sbuf ? NH * Lp : 0;
+        if (!sbuf) return 1;
+    }
+    float *s = sbuf;
+    v16 qv[NH][DV];
+    for (int h = 0; h < NH; h++) for (int c = 0; c < DV; c++) qv[h][c] = load16(q + h * D + 16 * c);
+    const int64_t L16 = L / 16 * 16;
+    for (int64_t j0 = 0; j0 < L16; j0 += 16)  /* 16 keys at a time, sums transposed into one vector */
+        for (int h = 0; h < NH; h++) store16(s + h * Lp + j0, block16(qv[h], K + j0 * D, DV) * scale);
+    for (int64_t j = L16; j < L; j++) {
+        const float *kj = K + j * D;
+        v16 acc[NH];
+        for (int h = 0; h < NH; h++) acc[h] = (v16){0};
+        for (int c = 0; c < DV; c++) {
+            v16 kv = load16(kj + 16 * c);
+            for (int h = 0; h < NH; h++) acc[h] += qv[h][c] * kv;
+        }
+        for (int h = 0; h < NH; h++) s[h * Lp + j] = hsum(acc[h]) * scale;
+    }
+    for (int64_t m = 0; m < W; m++)
+        if (!vis[m]) for (int h = 0; h < NH; h++) s[h * Lp + P + m] = -INFINITY;
+    float total[NH];
+    for (int h = 0; h < NH; h++) {
+        float *sh = s + h * Lp;
+        for (int64_t j = L; j < Lp; j++) sh[j] = -INFINITY;
+        v16 m = splat(-INFINITY);
+        for (int64_t j = 0; j < Lp; j += 16) m = vmax(m, load16(sh + j));
+        float mx = m[0];
+        for (int l = 1; l < 16; l++) mx = mx > m[l] ? mx : m[l];
+        v16 sum = (v16){0};
+        for (int64_t j = 0; j < Lp; j += 16) {
+            v16 e = vexp(load16(sh + j) - mx);
+            store16(sh + j, e);
+            sum += e;
+        }
+        total[h] = hsum(sum);
+    }
+    v16 acc[NH][DV];
+    for (int h = 0; h < NH; h++) for (int c = 0; c < DV; c++) acc[h][c] = (v16){0};
+    for (int64_t j = 0; j < L; j++) {
+        if (j >= P && !vis[j - P]) continue;
+        const float *vj = V + j * D;
+        for (int c = 0; c < DV; c++) {
+            v16 vv = load16(vj + 16 * c);
+            for (int h = 0; h < NH; h++) acc[h][c] += s[h * Lp + j] * vv;
+        }
+    }
+    for (int h = 0; h < NH; h++)
+        for (int c = 0; c < DV; c++) store16(out + h * D + 16 * c, acc[h][c] / total[h]);
+    return 0;
+}
+
+/* q, out: [T][H][D]; K/V of cache row r, key/value head g at kb + r * row_stride + g * head_stride,
+   [slots][D]; query i sees slots < prefix[i] and prefix[i] + m where vis[i * W + m].
+   Returns 0, 1 when out of memory, 2 for shapes it does not take. */
+int tr_tree_attention(const float *q, float *out, const float *kb, const float *vb, int64_t row_stride,
+                      int64_t head_stride, const int64_t *rows, const int64_t *prefix, const uint8_t *vis,
+                      int64_t W, int64_t T, int64_t H, int64_t G, int64_t D, float scale, int nthreads) {
+    if (G <= 0 || H % G != 0 || D % 16 != 0) return 2;
+    const int NH = (int)(H / G), DV = (int)(D / 16);
+    const int kind = NH * 100 + DV;
+    switch (kind) {
+        case 104: case 204: case 304: case 404: case 804: case 108: case 208: case 408: case 808: break;
+        default: if (NH > 16 || DV > 16) return 2;
+    }
+    int err = 0;
+    #pragma omp parallel for num_threads(nthreads) schedule(static) reduction(|: err)
+    for (int64_t task = 0; task < T * G; task++) {
+        const int64_t g = task / T, i = task % T;  /* a thread walks the queries of one key/value head: its keys stay in cache */
+        const float *qi = q + (i * H + g * NH) * D;
+        float *oi = out + (i * H + g * NH) * D;
+        const float *K = kb + rows[i] * row_stride + g * head_stride;
+        const float *V = vb + rows[i] * row_stride + g * head_stride;
+        const uint8_t *vi = vis + i * W;
+        const int64_t P = prefix[i];
+        switch (kind) {  /* constant shapes: the loops over heads and lanes unroll into registers */
+            case 104: err |= one(qi, oi, K, V, P, vi, W, scale, 1, 4); break;
+            case 204: err |= one(qi, oi, K, V, P, vi, W, scale, 2, 4); break;
+            case 304: err |= one(qi, oi, K, V, P, vi, W, scale, 3, 4); break;
+            case 404: err |= one(qi, oi, K, V, P, vi, W, scale, 4, 4); break;
+            case 804: err |= one(qi, oi, K, V, P, vi, W, scale, 8, 4); break;
+            case 108: err |= one(qi, oi, K, V, P, vi, W, scale, 1, 8); break;
+            case 208: err |= one(qi, oi, K, V, P, vi, W, scale, 2, 8); break;
+            case 408: err |= one(qi, oi, K, V, P, vi, W, scale, 4, 8); break;
+            case 808: err |= one(qi, oi, K, V, P, vi, W, scale, 8, 8); break;
+            default: err |= one(qi, oi, K, V, P, vi, W, scale, NH, DV);
+        }
+    }
+    return err;
+}
+"""
+
+_lock = threading.Lock()
+_lib: ctypes.CDLL | None = None
+_tried = False
+
+
+class StepQueries(NamedTuple):
+    """Where each of a step's packed query tokens attends (built once per forward, used by every
+    layer): its cache row, its row's prefix length, and which of the step's new slots it sees."""
+
+    rows: torch.Tensor  # [t] int64
+    prefix: torch.Tensor  # [t] int64
+    visible: torch.Tensor  # [t, W] uint8: query i sees new slot m of its row
+
+
+def step_queries(rows: list[int], starts: list[int], widths: list[int], local: torch.Tensor) -> StepQueries:
+    """For a step whose row i (cache row ``rows[i]``, ``starts[i]`` tokens before the step) has
+    ``widths[i]`` real query tokens, the first of its slots; ``local`` [b or 1, W, W] bool: node
+    sees node (its ancestors and itself)."""
+    b, w = len(rows), local.shape[-1]
+    local = local.expand(b, w, w)
+    take = torch.cat([torch.arange(i * w, i * w + n) for i, n in enumerate(widths)])
+    repeat = torch.tensor(widths)
+    return StepQueries(torch.tensor(rows, dtype=torch.long).repeat_interleave(repeat),
+                       torch.tensor(starts, dtype=torch.long).repeat_interleave(repeat),
+                       local.reshape(b * w, w)[take].to(torch.uint8).contiguous())
+
+
+def load() -> ctypes.CDLL | None:
+    """The compiled kernel (built once per machine into the tr_serve cache), or None when it is not
+    available here. Never raises."""
+    global _lib, _tried
+    with _lock:
+        if _tried:
+            return _lib
+        _tried = True
+        if os.environ.get("TR_SERVE_TREE_ATTENTION", "1") == "0":
+            return None
+        cc = native.compiler()
+        if cc is None or not native.torch_gomp_loaded():
+            logger.info("tree attention unavailable (%s)", "no C compiler" if cc is None else "torch does not use libgomp")
+            return None
+        try:
+            from tr_serve.model_loader import cache_root
+
+            lib = ctypes.CDLL(str(native.build(cc, "tree_attention", SOURCE, cache_root() / "kernels")))
+            fn = lib.tr_tree_attention
+            fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 2 + [ctypes.c_void_p] * 3 + \
+                [ctypes.c_int64] * 5 + [ctypes.c_float, ctypes.c_int]
+            fn.restype = ctypes.c_int
+            _lib = lib  # the self-check calls attend()
+            if not _self_check():
+                logger.warning("tree attention failed its self-check: not used")
+                _lib = None
+        except (OSError, subprocess.SubprocessError, AttributeError) as e:
+            logger.info("tree attention unavailable: %s", e)
+            _lib = None
+        return _lib
+
+
+def available() -> bool:
+    return (_lib if _tried else load()) is not None
+
+
+def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, queries: StepQueries,
+           scale: float) -> torch.Tensor:
+    """q [t, heads, d] fp32 (the step's packed query tokens); keys/values one layer's cache
+    buffers [rows, kv_heads, max_len, d] (the step's entries already written). Returns [t, heads * d]."""
+    lib = _lib if _tried else load()
+    if lib is None:
+        raise RuntimeError("the tree attention kernel is not available on this machine")
+    if q.dtype != torch.float32 or keys.dtype != torch.float32 or q.device.type != "cpu":
+        raise TypeError("the tree attention kernel takes fp32 CPU tensors")
+    if not (keys.is_contiguous() and values.is_contiguous()):
+        raise ValueError("the KV cache buffers must be contiguous")
+    q = q.contiguous()
+    t, heads, d = q.shape
+    _, kv_heads, max_len, _ = keys.shape
+    out = torch.empty(t, heads * d, dtype=torch.float32)
+    rc = lib.tr_tree_attention(q.data_ptr(), out.data_ptr(), keys.data_ptr(), values.data_ptr(),
+                               kv_heads * max_len * d, max_len * d, queries.rows.data_ptr(),
+                               queries.prefix.data_ptr(), queries.visible.data_ptr(), queries.visible.shape[1],
+                               t, heads, kv_heads, d, scale, torch.get_num_threads())
+    if rc == 1:
+        raise MemoryError("tree attention: out of memory")
+    if rc != 0:
+        raise ValueError(f"tree attention does not take {heads} heads on {kv_heads} key/value heads of size {d}")
+    return out
+
+
+def supports(heads: int, kv_heads: int, head_dim: int) -> bool:
+    return kv_heads > 0 and heads % kv_heads == 0 and head_dim % 16 == 0 and heads // kv_heads <= 16 \
+        and head_dim <= 256
+
+
+def reference(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, queries: StepQueries,
+              scale: float) -> torch.Tensor:
+    """What :func:`attend` computes, with torch's attention one query token at a time."""
+    t, heads, d = q.shape
+    w = queries.visible.shape[1]
+    outs = []
+    for i in range(t):
+        row, p = int(queries.rows[i]), int(queries.prefix[i])
+        k, v = keys[row : row + 1, :, : p + w], values[row : row + 1, :, : p + w]
+        seen = torch.cat([torch.ones(p, dtype=torch.bool), queries.visible[i].bool()])
+        mask = torch.zeros(p + w).masked_fill_(~seen, float("-inf"))[None, None, None]
+        o = F.scaled_dot_product_attention(q[i][None, :, None], k, v, attn_mask=mask, scale=scale,
+                                           enable_gqa=heads != keys.shape[1])
+        outs.append(o.reshape(heads * d))
+    return torch.stack(outs)
+
+
+def _self_check() -> bool:
+    g = torch.Generator().manual_seed(0)
+    for heads, kv_heads, d, w in ((9, 3, 64, 5), (4, 4, 32, 1), (8, 2, 128, 3)):
+        keys = torch.randn(3, kv_heads, 40, d, generator=g)
+        values = torch.randn(3, kv_heads, 40, d, generator=g)
+        local = torch.rand(2, w, w, generator=g) > 0.5
+        local |= torch.eye(w, dtype=torch.bool)
+        queries = step_queries([2, 0], [17, 30], [w, max(1, w - 1)], local)
+        q = torch.randn(int(queries.rows.numel()), heads, d, generator=g)
+        got = attend(q, keys, values, queries, d ** -0.5)
+        if not torch.allclose(got, reference(q, keys, values, queries, d ** -0.5), rtol=1e-4, atol=1e-5):
+            return False
+    return True
