@@ -130,7 +130,8 @@ class ModelRunner:
         positions = (starts[:, None] + depths).to(self.device)
         body = body_for(self.model)  # plain Llama: its layers without transformers' wrappers, same arithmetic
         queries = None
-        if body is not None and self.tree_attention and self.cache.step_runs is not None:  # rows ascending
+        if (body is not None and self.tree_attention and q <= tree_attention.MAX_WIDTH
+                and self.cache.step_runs is not None):  # rows ascending
             widths = lengths.tolist() if lengths is not None else [q] * b
             queries = tree_attention.step_queries(rows.tolist(), starts.tolist(), widths, local)
         mask = None if queries is not None else build_step_mask(starts, local, self.cache.step_kv_len, self.dtype,
