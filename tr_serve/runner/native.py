@@ -9,13 +9,18 @@ torch's own OpenMP team and never compete with its threads.
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
+import logging
 import os
 import platform
 import re
 import shutil
 import subprocess
 from pathlib import Path
+from typing import Callable
+
+logger = logging.getLogger(__name__)
 
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11")
 
@@ -61,4 +66,28 @@ def build(cc: str, name: str, source: str, folder: Path, extra_flags: tuple[str,
     finally:
         src.unlink(missing_ok=True)
         tmp.unlink(missing_ok=True)
+    return lib
+
+
+def load_kernel(title: str, name: str, source: str, cc: str | None, function: str, argtypes: list,
+                self_check: Callable[[ctypes.CDLL], bool]) -> ctypes.CDLL | None:
+    """Build (or reuse) and load ``source``, declare ``function`` (returning int), and run the
+    kernel's ``self_check``; None, logged under ``title``, when any of it is not possible here.
+    Never raises."""
+    if cc is None or not torch_gomp_loaded():
+        logger.info("%s unavailable (%s)", title, "no C compiler" if cc is None else "torch does not use libgomp")
+        return None
+    try:
+        from tr_serve.model_loader import cache_root
+
+        lib = ctypes.CDLL(str(build(cc, name, source, cache_root() / "kernels")))
+        fn = getattr(lib, function)
+        fn.argtypes = argtypes
+        fn.restype = ctypes.c_int
+        if not self_check(lib):
+            logger.warning("%s failed its self-check: not used", title)
+            return None
+    except (OSError, subprocess.SubprocessError, AttributeError) as e:
+        logger.info("%s unavailable: %s", title, e)
+        return None
     return lib

@@ -28,9 +28,7 @@ fails, :func:`load` returns None and the kernel plan never offers this kernel.
 from __future__ import annotations
 
 import ctypes
-import logging
 import os
-import subprocess
 import threading
 
 import torch
@@ -38,7 +36,6 @@ import torch.nn.functional as F
 
 from tr_serve.runner import native
 
-logger = logging.getLogger(__name__)
 
 MAX_ROWS = 16  # rows held in registers; more rows run in chunks of this many, each panel read from memory once
 PANEL = 16  # output features per panel
@@ -166,24 +163,9 @@ def load() -> ctypes.CDLL | None:
         _tried = True
         if os.environ.get("TR_SERVE_PANEL_GEMM", "1") == "0":
             return None
-        cc = _compiler()
-        if cc is None or not native.torch_gomp_loaded():
-            logger.info("panel GEMM unavailable (%s)", "no C compiler" if cc is None else "torch does not use libgomp")
-            return None
-        try:
-            from tr_serve.model_loader import cache_root
-
-            lib = ctypes.CDLL(str(native.build(cc, "panel_gemm", SOURCE, cache_root() / "kernels")))
-            fn = lib.tr_panel_gemm
-            fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
-                           ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int]
-            fn.restype = ctypes.c_int
-            if not _self_check(lib):
-                logger.warning("panel GEMM failed its self-check: not used")
-                return None
-        except (OSError, subprocess.SubprocessError, AttributeError) as e:
-            logger.info("panel GEMM unavailable: %s", e)
-            return None
+        lib = native.load_kernel("panel GEMM", "panel_gemm", SOURCE, _compiler(), "tr_panel_gemm",
+                                 [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
+                                  ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int], _self_check)
         _lib = lib
         return lib
 

@@ -23,9 +23,7 @@ torch's attention. ``TR_SERVE_TREE_ATTENTION=0`` turns it off.
 from __future__ import annotations
 
 import ctypes
-import logging
 import os
-import subprocess
 import threading
 from typing import NamedTuple
 
@@ -34,7 +32,6 @@ import torch.nn.functional as F
 
 from tr_serve.runner import native
 
-logger = logging.getLogger(__name__)
 
 # Widest row (query tokens) a step sends here; wider steps (prefill, big trees) keep torch's flash
 # attention, which shares each key block across many queries. Measured through the runner
@@ -254,25 +251,9 @@ def load() -> ctypes.CDLL | None:
         _tried = True
         if os.environ.get("TR_SERVE_TREE_ATTENTION", "1") == "0":
             return None
-        cc = native.compiler()
-        if cc is None or not native.torch_gomp_loaded():
-            logger.info("tree attention unavailable (%s)", "no C compiler" if cc is None else "torch does not use libgomp")
-            return None
-        try:
-            from tr_serve.model_loader import cache_root
-
-            lib = ctypes.CDLL(str(native.build(cc, "tree_attention", SOURCE, cache_root() / "kernels")))
-            fn = lib.tr_tree_attention
-            fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 2 + [ctypes.c_void_p] * 3 + \
-                [ctypes.c_int64] * 5 + [ctypes.c_float, ctypes.c_int]
-            fn.restype = ctypes.c_int
-            _lib = lib  # the self-check calls attend()
-            if not _self_check():
-                logger.warning("tree attention failed its self-check: not used")
-                _lib = None
-        except (OSError, subprocess.SubprocessError, AttributeError) as e:
-            logger.info("tree attention unavailable: %s", e)
-            _lib = None
+        _lib = native.load_kernel("tree attention", "tree_attention", SOURCE, native.compiler(), "tr_tree_attention",
+                                  [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 2 + [ctypes.c_void_p] * 3
+                                  + [ctypes.c_int64] * 5 + [ctypes.c_float, ctypes.c_int], _self_check)
         return _lib
 
 
@@ -287,6 +268,11 @@ def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, queries: S
     lib = _lib if _tried else load()
     if lib is None:
         raise RuntimeError("the tree attention kernel is not available on this machine")
+    return _attend(lib, q, keys, values, queries, scale)
+
+
+def _attend(lib: ctypes.CDLL, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, queries: StepQueries,
+            scale: float) -> torch.Tensor:
     if q.dtype != torch.float32 or keys.dtype != torch.float32 or q.device.type != "cpu":
         raise TypeError("the tree attention kernel takes fp32 CPU tensors")
     if not (keys.is_contiguous() and values.is_contiguous()):
@@ -328,7 +314,7 @@ def reference(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, queries
     return torch.stack(outs)
 
 
-def _self_check() -> bool:
+def _self_check(lib: ctypes.CDLL) -> bool:
     g = torch.Generator().manual_seed(0)
     for heads, kv_heads, d, w in ((9, 3, 64, 5), (4, 4, 32, 1), (8, 2, 128, 3)):
         keys = torch.randn(3, kv_heads, 40, d, generator=g)
@@ -337,7 +323,7 @@ def _self_check() -> bool:
         local |= torch.eye(w, dtype=torch.bool)
         queries = step_queries([2, 0], [17, 30], [w, max(1, w - 1)], local)
         q = torch.randn(int(queries.rows.numel()), heads, d, generator=g)
-        got = attend(q, keys, values, queries, d ** -0.5)
+        got = _attend(lib, q, keys, values, queries, d ** -0.5)
         if not torch.allclose(got, reference(q, keys, values, queries, d ** -0.5), rtol=1e-4, atol=1e-5):
             return False
     return True
