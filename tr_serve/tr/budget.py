@@ -290,11 +290,15 @@ def choose_plan(template_rates: list[float], chains: list[tuple[list[int], list[
         plain = tuple((f[0][2], f[0][3]) for f in frontiers)
     for price in _PRICES:
         gain, cost, widest, plan = 0.0, 0, 0, []
+        picked: dict[int, tuple[float, int, int, int]] = {}  # rows without a branch share one frontier
         for frontier in frontiers:
-            if price == float("inf"):
-                best = frontier[0]
-            else:
-                best = max(frontier, key=lambda o: (o[0] - price * o[1], -o[1]))
+            best = picked.get(id(frontier))
+            if best is None:
+                if price == float("inf"):
+                    best = frontier[0]
+                else:
+                    best = max(frontier, key=lambda o: (o[0] - price * o[1], -o[1]))
+                picked[id(frontier)] = best
             gain += best[0]
             cost += best[1]
             widest = max(widest, best[1])
