@@ -33,18 +33,23 @@ def test_seeding_follows_the_budget(tokenizer, tmp_path, monkeypatch, budget):
     monkeypatch.setenv("TR_SERVE_CACHE", str(tmp_path))
     engine = Engine(tiny_loaded(tokenizer, seed=6), EngineConfig(model="tiny", tree="top4", budget=budget,
                                                                  max_num_seqs=1, max_model_len=64))
-    assert _seeded_prefills(engine) == [True, True]  # a fresh engine seeds
     if budget == "auto":
-        # plain decoding wins every step: once the moving average of the budget is below one node,
-        # the LM head over the prompt is not run any more
         import tr_serve.tr.budget as budget_module
 
+        # a fresh budget has no evidence that the matrix is used: no seeding until it verifies
+        # nodes (a moving mean of at least one per row; here every step verifies all 4)
+        monkeypatch.setattr(budget_module, "choose_plan", lambda *args, **kwargs: [(4, 0)] * len(args[1]))
+        assert _seeded_prefills(engine) == [False, True]
+        assert engine.drafter.mean_nodes >= 1.0
+        # plain decoding wins every step: once the moving average of the budget is below one node,
+        # the LM head over the prompt is not run any more
         monkeypatch.setattr(budget_module, "choose_plan", lambda *args, **kwargs: [(0, 0)] * len(args[1]))
         for _ in range(8):  # 3 decode steps each: the moving average decays by 0.9 per step
             _seeded_prefills(engine, 1)
         assert engine.drafter.mean_nodes < 1.0
         assert _seeded_prefills(engine) == [False, False]
     else:
+        assert _seeded_prefills(engine) == [True, True]  # a fixed tree always seeds
         assert _seeded_prefills(engine) == [True, True]
 
 
