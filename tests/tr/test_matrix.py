@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tr_serve.tr.matrix import EMPTY, AdjacencyMatrix, last_occurrences
+from tr_serve.tr.matrix import EMPTY, AdjacencyMatrix, last_occurrences, top_k_indices
 
 V = 10
 
@@ -171,3 +171,16 @@ def test_recycling_the_last_occurrences_equals_recycling_every_position():
     first = AdjacencyMatrix(V, k=3)
     first.recycle(torch.tensor([3]), logits[:1])
     assert not torch.equal(first.table[3], every.table[3])
+
+
+def test_top_k_indices_equals_torch_topk():
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(7, 49152, generator=g)
+    logits[1, 256:264] += 50.0  # the whole top 8 in one block
+    logits[2, torch.arange(8) * 4096 + 5] += 50.0  # one per block, far apart
+    logits[3, 127:129] += 50.0  # across a block edge
+    for k in (1, 3, 8):
+        assert torch.equal(top_k_indices(logits, k), torch.topk(logits, k, dim=-1).indices)
+    odd = torch.randn(2, 1000, generator=g)  # does not split into blocks: torch's own
+    assert torch.equal(top_k_indices(odd, 8), torch.topk(odd, 8, dim=-1).indices)
+    assert torch.equal(top_k_indices(logits[:, :512], 8), torch.topk(logits[:, :512], 8, dim=-1).indices)
