@@ -51,8 +51,8 @@ def test_batch_invariant_and_strided_input():
 
 
 def test_unavailable_without_a_compiler(monkeypatch):
-    monkeypatch.setattr(pg, "_tried", False)
-    monkeypatch.setattr(pg, "_lib", None)
+    monkeypatch.setattr(pg.KERNEL, "tried", False)
+    monkeypatch.setattr(pg.KERNEL, "lib", None)
     monkeypatch.setattr(pg, "_compiler", lambda: None)
     assert pg.load() is None
     with pytest.raises(RuntimeError):
@@ -60,8 +60,8 @@ def test_unavailable_without_a_compiler(monkeypatch):
 
 
 def test_switched_off_by_environment(monkeypatch):
-    monkeypatch.setattr(pg, "_tried", False)
-    monkeypatch.setattr(pg, "_lib", None)
+    monkeypatch.setattr(pg.KERNEL, "tried", False)
+    monkeypatch.setattr(pg.KERNEL, "lib", None)
     monkeypatch.setenv("TR_SERVE_PANEL_GEMM", "0")
     assert pg.load() is None
 
@@ -69,12 +69,12 @@ def test_switched_off_by_environment(monkeypatch):
 @needs_kernel
 def test_built_once_into_the_cache(tmp_path, monkeypatch):
     monkeypatch.setenv("TR_SERVE_CACHE", str(tmp_path))
-    monkeypatch.setattr(pg, "_tried", False)
-    monkeypatch.setattr(pg, "_lib", None)
+    monkeypatch.setattr(pg.KERNEL, "tried", False)
+    monkeypatch.setattr(pg.KERNEL, "lib", None)
     assert pg.load() is not None
     [lib] = (tmp_path / "kernels").glob("panel_gemm-*.so")
     assert not list((tmp_path / "kernels").glob("*.c"))  # sources and temporaries cleaned up
     stamp = lib.stat().st_mtime_ns
-    monkeypatch.setattr(pg, "_tried", False)
-    monkeypatch.setattr(pg, "_lib", None)
+    monkeypatch.setattr(pg.KERNEL, "tried", False)
+    monkeypatch.setattr(pg.KERNEL, "lib", None)
     assert pg.load() is not None and lib.stat().st_mtime_ns == stamp  # reused, not rebuilt

@@ -62,8 +62,8 @@ def test_masked_slots_do_not_count():
 
 
 def test_unavailable_without_a_compiler(monkeypatch):
-    monkeypatch.setattr(ta, "_tried", False)
-    monkeypatch.setattr(ta, "_lib", None)
+    monkeypatch.setattr(ta.KERNEL, "tried", False)
+    monkeypatch.setattr(ta.KERNEL, "lib", None)
     monkeypatch.setattr(native, "compiler", lambda: None)
     assert ta.load() is None and not ta.available()
     with pytest.raises(RuntimeError):
@@ -74,8 +74,8 @@ def test_unavailable_without_a_compiler(monkeypatch):
 def test_runner_falls_back_to_torch_attention_when_switched_off(monkeypatch, tokenizer):
     from tests.tiny_model import tiny_loaded
 
-    monkeypatch.setattr(ta, "_tried", False)
-    monkeypatch.setattr(ta, "_lib", None)
+    monkeypatch.setattr(ta.KERNEL, "tried", False)
+    monkeypatch.setattr(ta.KERNEL, "lib", None)
     monkeypatch.setenv("TR_SERVE_TREE_ATTENTION", "0")
     model = tiny_loaded(tokenizer).model
     assert ModelRunner(model, 1, 16).tree_attention is False

@@ -17,6 +17,7 @@ import platform
 import re
 import shutil
 import subprocess
+import threading
 from pathlib import Path
 from typing import Callable
 
@@ -91,3 +92,33 @@ def load_kernel(title: str, name: str, source: str, cc: str | None, function: st
         logger.info("%s unavailable: %s", title, e)
         return None
     return lib
+
+
+class Kernel:
+    """One compiled kernel, loaded at most once per process (thread-safe): :attr:`lib` is the
+    library, or None where it is not available here (``env`` set to ``0`` switches it off)."""
+
+    def __init__(self, title: str, name: str, source: str, env: str, function: str, argtypes: list,
+                 self_check: Callable[[ctypes.CDLL], bool], find_compiler: Callable[[], str | None] | None = None):
+        self.title, self.name, self.source, self.env = title, name, source, env
+        self.function, self.argtypes, self.self_check = function, argtypes, self_check
+        self.find_compiler = find_compiler
+        self.lib: ctypes.CDLL | None = None
+        self.tried = False
+        self._lock = threading.Lock()
+
+    def load(self) -> ctypes.CDLL | None:
+        """The library (built once per machine into the tr_serve cache), or None. Never raises."""
+        with self._lock:
+            if self.tried:
+                return self.lib
+            self.tried = True
+            if os.environ.get(self.env, "1") == "0":
+                return None
+            cc = self.find_compiler() if self.find_compiler is not None else compiler()
+            self.lib = load_kernel(self.title, self.name, self.source, cc, self.function,
+                                   self.argtypes, self.self_check)
+            return self.lib
+
+    def get(self) -> ctypes.CDLL | None:
+        return self.lib if self.tried else self.load()

@@ -28,8 +28,6 @@ fails, :func:`load` returns None and the kernel plan never offers this kernel.
 from __future__ import annotations
 
 import ctypes
-import os
-import threading
 
 import torch
 import torch.nn.functional as F
@@ -133,11 +131,6 @@ int tr_panel_gemm(const float *x, int64_t ldx, const float *P, float *y, int64_t
 }
 """
 
-_lock = threading.Lock()
-_lib: ctypes.CDLL | None = None
-_tried = False
-
-
 def _compiler() -> str | None:
     return native.compiler()
 
@@ -153,21 +146,16 @@ def _self_check(lib: ctypes.CDLL) -> bool:
     return True
 
 
+KERNEL = native.Kernel("panel GEMM", "panel_gemm", SOURCE, "TR_SERVE_PANEL_GEMM", "tr_panel_gemm",
+                       [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
+                        ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int], _self_check,
+                       lambda: _compiler())
+
+
 def load() -> ctypes.CDLL | None:
     """The compiled kernel (built once per machine into the tr_serve cache), or None when it is not
     available here. Never raises."""
-    global _lib, _tried
-    with _lock:
-        if _tried:
-            return _lib
-        _tried = True
-        if os.environ.get("TR_SERVE_PANEL_GEMM", "1") == "0":
-            return None
-        lib = native.load_kernel("panel GEMM", "panel_gemm", SOURCE, _compiler(), "tr_panel_gemm",
-                                 [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
-                                  ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int], _self_check)
-        _lib = lib
-        return lib
+    return KERNEL.load()
 
 
 def pack(weight: torch.Tensor) -> torch.Tensor:
@@ -196,7 +184,7 @@ def _run(lib: ctypes.CDLL, x: torch.Tensor, panels: torch.Tensor, n: int) -> tor
 
 def linear(x: torch.Tensor, panels: torch.Tensor, n: int, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear(x, W, bias)`` for fp32 CPU ``x`` [..., K], with ``panels = pack(W)`` and N = ``n``."""
-    lib = _lib if _tried else load()
+    lib = KERNEL.get()
     if lib is None:
         raise RuntimeError("the panel GEMM is not available on this machine")
     if x.dtype != torch.float32 or x.device.type != "cpu":

@@ -23,8 +23,6 @@ torch's attention. ``TR_SERVE_TREE_ATTENTION=0`` turns it off.
 from __future__ import annotations
 
 import ctypes
-import os
-import threading
 from typing import NamedTuple
 
 import torch
@@ -214,11 +212,6 @@ int tr_tree_attention(const float *q, float *out, const float *kb, const float *
 }
 """
 
-_lock = threading.Lock()
-_lib: ctypes.CDLL | None = None
-_tried = False
-
-
 class StepQueries(NamedTuple):
     """Where each of a step's packed query tokens attends (built once per forward, used by every
     layer): its cache row, its row's prefix length, and which of the step's new slots it sees."""
@@ -244,28 +237,18 @@ def step_queries(rows: list[int], starts: list[int], widths: list[int], local: t
 def load() -> ctypes.CDLL | None:
     """The compiled kernel (built once per machine into the tr_serve cache), or None when it is not
     available here. Never raises."""
-    global _lib, _tried
-    with _lock:
-        if _tried:
-            return _lib
-        _tried = True
-        if os.environ.get("TR_SERVE_TREE_ATTENTION", "1") == "0":
-            return None
-        _lib = native.load_kernel("tree attention", "tree_attention", SOURCE, native.compiler(), "tr_tree_attention",
-                                  [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 2 + [ctypes.c_void_p] * 3
-                                  + [ctypes.c_int64] * 5 + [ctypes.c_float, ctypes.c_int], _self_check)
-        return _lib
+    return KERNEL.load()
 
 
 def available() -> bool:
-    return (_lib if _tried else load()) is not None
+    return KERNEL.get() is not None
 
 
 def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, queries: StepQueries,
            scale: float) -> torch.Tensor:
     """q [t, heads, d] fp32 (the step's packed query tokens); keys/values one layer's cache
     buffers [rows, kv_heads, max_len, d] (the step's entries already written). Returns [t, heads * d]."""
-    lib = _lib if _tried else load()
+    lib = KERNEL.get()
     if lib is None:
         raise RuntimeError("the tree attention kernel is not available on this machine")
     return _attend(lib, q, keys, values, queries, scale)
@@ -327,3 +310,8 @@ def _self_check(lib: ctypes.CDLL) -> bool:
         if not torch.allclose(got, reference(q, keys, values, queries, d ** -0.5), rtol=1e-4, atol=1e-5):
             return False
     return True
+
+
+KERNEL = native.Kernel("tree attention", "tree_attention", SOURCE, "TR_SERVE_TREE_ATTENTION", "tr_tree_attention",
+                       [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 2 + [ctypes.c_void_p] * 3
+                       + [ctypes.c_int64] * 5 + [ctypes.c_float, ctypes.c_int], _self_check)
