@@ -129,17 +129,16 @@ class ModelRunner:
         starts = self.cache.begin_step(rows, q)
         positions = (starts[:, None] + depths).to(self.device)
         body = body_for(self.model)  # plain Llama: its layers without transformers' wrappers, same arithmetic
+        widths = lengths.tolist() if lengths is not None else None  # real tokens per row
         queries = None
         if (body is not None and self.tree_attention and q <= tree_attention.MAX_WIDTH
                 and self.cache.step_runs is not None):  # rows ascending
-            widths = lengths.tolist() if lengths is not None else [q] * b
-            queries = tree_attention.step_queries(rows.tolist(), starts.tolist(), widths, local)
+            queries = tree_attention.step_queries(rows.tolist(), starts.tolist(), widths or [q] * b, local)
         mask = None if queries is not None else build_step_mask(starts, local, self.cache.step_kv_len, self.dtype,
                                                                 self.device)
         with self._kernels(), runner_attention(self.model):
             if body is not None:
                 index = real.nonzero().flatten() if real is not None else None
-                widths = lengths.tolist() if lengths is not None else None
                 return body(tokens.to(self.device), positions, mask, self.cache, index, widths, queries)
             out = self.model.model(
                 input_ids=tokens.to(self.device), attention_mask=mask, position_ids=positions,
