@@ -176,3 +176,24 @@ def test_tree_budget_owns_its_order_and_the_drafter_follows_it():
     assert drafter._subtree(2)[1].tolist() == [2, 4]  # the drafter's subtrees follow the new order
     budget.reorder([0.1, 0.9, 0.05, 0.8])
     assert budget.order_version == 1  # unchanged order: the subtrees stay valid
+
+
+def test_price_picks_equal_the_best_option_at_every_price():
+    """The hull walk picks what scoring every option at every price picks (the cheaper on a tie)."""
+    import random
+
+    from tr_serve.tr.budget import _PRICES, _frontier, _price_picks
+
+    rng = random.Random(0)
+    for _ in range(300):
+        options = [(rng.choice([0.0, rng.random() * 4, round(rng.random() * 4, 1)]), rng.randrange(0, 40),
+                    rng.randrange(0, 80), 0) for _ in range(rng.randrange(1, 14))]
+        options.append((0.0, 0, 0, 0))  # plain decoding is always an option
+        for price, pick in zip(_PRICES, _price_picks(_frontier(options))):
+            if price == float("inf"):
+                assert pick == min(options, key=lambda o: (o[1], -o[0]))  # the cheapest, its best gain
+                continue
+            best = max(options, key=lambda o: (o[0] - price * o[1], -o[1]))
+            ties = [o for o in options if abs((o[0] - price * o[1]) - (best[0] - price * best[1])) < 1e-9]
+            assert pick in ties  # the best option itself, unless another scores the same to rounding
+            assert len(ties) > 1 or pick == best

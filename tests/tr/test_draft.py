@@ -111,3 +111,55 @@ def test_acceptance_equals_a_greedy_walk_on_random_trees_and_branches():
             walk = greedy_walk(batch.tokens[r].tolist(), batch.parents[r].tolist(), choice[r].tolist())
             assert acc.accepted_nodes[r].tolist() == walk
             assert acc.emitted[r].tolist() == [int(batch.tokens[r, i]) for i in walk[1:]] + [int(choice[r, walk[-1]])]
+
+
+def _reference_row(draft_row, tree, row_nodes, chain, cap, q):
+    """One row built node by node: its template prefix, then the branch (merged while it agrees)."""
+    w = row_nodes + 1
+    tokens, parents, depths = list(draft_row[:w]), [-1] + tree.parents[1:w].tolist(), tree.depths[:w].tolist()
+    node, rest = 0, []
+    for j, tok in enumerate(chain):
+        nxt = [c for c in tree.children[node] if c < w and draft_row[c] == tok]
+        if not nxt:
+            rest = chain[j : j + cap]
+            break
+        node = nxt[0]
+    for i, tok in enumerate(rest):
+        tokens.append(tok)
+        parents.append(node if i == 0 else len(tokens) - 2)
+        depths.append(depths[parents[-1]] + 1)
+    real = len(tokens)
+    mask = torch.zeros(q, q, dtype=torch.bool)
+    for i in range(q):
+        if i >= real:  # padding: a dead child of the root
+            mask[i, 0] = mask[i, i] = True
+            continue
+        j = i
+        while j >= 0:
+            mask[i, j] = True
+            j = parents[j]
+    pad = q - real
+    return tokens + [EMPTY] * pad, [p if p >= 0 else -1 for p in parents] + [0] * pad, depths + [1] * pad, mask, real
+
+
+def test_ragged_batches_equal_rows_built_one_by_one():
+    rng = random.Random(1)
+    paths = [[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0], [0, 0, 1], [0, 0, 0, 0]]
+    tree = compile_tree(paths)
+    for _ in range(150):
+        b, vocab = rng.randint(1, 5), 5
+        draft = torch.randint(vocab, (b, tree.num_nodes + 1), generator=torch.Generator().manual_seed(rng.randrange(99)))
+        chains = [[rng.randrange(vocab) for _ in range(rng.randint(0, 6))] for _ in range(b)]
+        row_nodes = [rng.randint(0, tree.num_nodes) for _ in range(b)]
+        caps = [rng.choice([0, 1, 2, 16]) for _ in range(b)]
+        batch = build_draft(draft, tree, torch.arange(1, tree.num_nodes + 1), chains, [2] * b, row_nodes, caps)
+        q = batch.tokens.shape[1]
+        rows = [_reference_row(draft[r].tolist(), tree, row_nodes[r], chains[r], caps[r], q) for r in range(b)]
+        assert q == max(row[4] for row in rows)
+        for r, (tokens, parents, depths, mask, real) in enumerate(rows):
+            assert batch.tokens[r].tolist() == tokens
+            assert batch.parents[r].tolist() == parents
+            assert batch.row_depths()[r].tolist() == depths
+            assert torch.equal(batch.mask[r] if batch.mask.dim() == 3 else batch.mask, mask)
+            assert batch.nodes_per_row()[r] == real - 1
+        assert batch.max_depth == max(max(d for d, t in zip(row[2], row[0][: row[4]])) for row in rows)

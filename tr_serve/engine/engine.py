@@ -26,6 +26,7 @@ from tr_serve.model_loader import LoadedModel
 from tr_serve.runner.cpu_kernels import select_plan
 from tr_serve.runner.model_runner import ModelRunner, rows_within_budget
 from tr_serve.sampling_params import SamplingParams
+from tr_serve.tr.argmax import argmax_rows
 from tr_serve.tr.budget import StepLatency
 from tr_serve.tr.draft import DraftBatch
 from tr_serve.tr.drafter import Drafter
@@ -189,7 +190,7 @@ class Engine:
     def _first_token(self, req: Request, logits: torch.Tensor) -> int:
         p = req.params
         if p.greedy:
-            return int(logits.argmax())
+            return int(argmax_rows(logits.reshape(1, -1))[0])
         return sample_token(process_logits(logits, p.temperature, p.top_k, p.top_p), req.generator)  # on the device
 
     def _draft(self, batch: list[Request]) -> DraftBatch:

@@ -11,8 +11,9 @@ device at start-up, corrected by what serving measures.
 from __future__ import annotations
 
 import bisect
+from operator import itemgetter
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable, Sequence
 
 import torch
 
@@ -227,12 +228,37 @@ def _cumulative(values) -> list[float]:
 
 
 def _frontier(options: list[tuple[float, int, int, int]]) -> list[tuple[float, int, int, int]]:
-    """The options (gain, cost, n, cap) that no cheaper-or-equal option beats: by cost, strictly
-    rising gain."""
-    out: list[tuple[float, int, int, int]] = []
-    for gain, cost, n, cap in sorted(options, key=lambda o: (o[1], -o[0])):
-        if not out or gain > out[-1][0] + 1e-12:
-            out.append((gain, cost, n, cap))
+    """The options (gain, cost, n, cap) that can win at some price per query token, by cost: the
+    upper concave hull of the strictly rising gains (an option that costs more and gains no more
+    never wins; nor does one below the chord of its neighbours, which one of them always beats)."""
+    hull: list[tuple[float, int, int, int]] = []
+    for option in sorted(options, key=itemgetter(1)):  # stable: the first of equal options stays
+        gain, cost = option[0], option[1]
+        if hull and gain <= hull[-1][0] + 1e-12:
+            continue
+        if hull and cost == hull[-1][1]:
+            hull.pop()  # the same cost for more gain
+        while len(hull) >= 2:
+            (g0, c0, _, _), (g1, c1, _, _) = hull[-2], hull[-1]
+            if (g1 - g0) * (cost - c0) <= (gain - g0) * (c1 - c0):  # hull[-1] on or below the chord
+                hull.pop()
+            else:
+                break
+        hull.append(option)
+    return hull
+
+
+def _price_picks(frontier: list[tuple[float, int, int, int]]) -> list[tuple[float, int, int, int]]:
+    """For each of :data:`_PRICES`, the option of ``frontier`` (:func:`_frontier`) with the most
+    ``gain - price * cost``, the cheaper one on a tie: along the hull the move to the next option
+    is worth it while its gain per extra token exceeds the price, so the pick only moves to
+    cheaper options as the price rises (one pass, instead of every option at every price)."""
+    slopes = [(b[0] - a[0]) / (b[1] - a[1]) for a, b in zip(frontier, frontier[1:])]  # falling
+    out, k = [], len(frontier) - 1
+    for price in _PRICES:  # rising
+        while k > 0 and not slopes[k - 1] > price:
+            k -= 1
+        out.append(frontier[k])
     return out
 
 
@@ -267,42 +293,44 @@ def choose_plan(template_rates: list[float], chains: list[tuple[list[int], list[
     cum_t = _cumulative(template_rates)
     plain_frontier = _frontier([(cum_t[n], n, n, 0) for n in node_candidates])
     frontiers: list[list[tuple[float, int, int, int]]] = []
+    candidates, caps = sorted(node_candidates), sorted(chain_caps)
     for merge_pos, rates in chains:
         if not rates:
             frontiers.append(plain_frontier)
             continue
         cum = _cumulative(rates)
         options = []
-        for n in node_candidates:
-            m = 0
-            while m < len(merge_pos) and merge_pos[m] < n:
+        m, merged = 0, len(merge_pos)
+        for n in candidates:  # ascending: the merged prefix of the branch only grows
+            while m < merged and merge_pos[m] < n:
                 m += 1
             longest = len(rates) - m
-            for cap in chain_caps:
-                extra = min(cap, longest)
-                options.append((cum_t[n] + cum[m + extra] - cum[m], n + extra, n, cap))
+            base = cum_t[n] - cum[m]
+            for cap in caps:
+                extra = cap if cap < longest else longest
+                options.append((base + cum[m + extra], n + extra, n, cap))
                 if cap >= longest:
                     break  # larger caps are the same plan
         frontiers.append(_frontier(options))
-    plans: dict[tuple[tuple[int, int], ...], float] = {}
     plain = None  # every row a one-token step, when every row has that option
     if all(f[0][1] == 0 for f in frontiers):
         plain = tuple((f[0][2], f[0][3]) for f in frontiers)
-    for price in _PRICES:
-        gain, cost, widest, plan = 0.0, 0, 0, []
-        picked: dict[int, tuple[float, int, int, int]] = {}  # rows without a branch share one frontier
-        for frontier in frontiers:
-            best = picked.get(id(frontier))
-            if best is None:
-                if price == float("inf"):
-                    best = frontier[0]
-                else:
-                    best = max(frontier, key=lambda o: (o[0] - price * o[1], -o[1]))
-                picked[id(frontier)] = best
-            gain += best[0]
-            cost += best[1]
+    # rows that share a frontier (every row without a branch) pick alike: one pick per frontier
+    groups: dict[int, tuple[list[tuple[float, int, int, int]], list[int]]] = {}
+    for r, frontier in enumerate(frontiers):
+        groups.setdefault(id(frontier), (frontier, []))[1].append(r)
+    picks = [(_price_picks(frontier), rs) for frontier, rs in groups.values()]
+    plans: dict[tuple[tuple[int, int], ...], float] = {}
+    for p in range(len(_PRICES)):
+        gain, cost, widest = 0.0, 0, 0
+        plan: list[tuple[int, int]] = [(0, 0)] * rows
+        for per_price, rs in picks:
+            best = per_price[p]
+            gain += best[0] * len(rs)
+            cost += best[1] * len(rs)
             widest = max(widest, best[1])
-            plan.append((best[2], best[3]))
+            for r in rs:
+                plan[r] = (best[2], best[3])
         key = tuple(plan)
         if key not in plans:
             plans[key] = (rows + gain) / latency(rows, rows + cost, 1 + widest)
@@ -337,8 +365,10 @@ class TreeBudget:
         self.chain_caps = chain_caps if self.context_stats is not None else (0,)
         self.explore_every = explore_every
         self.reorder_every = reorder_every
-        self.order = list(range(1, n + 1))  # template nodes in the order a row adds them
+        self._ranks = template.ranks.tolist()
+        self._depths = template.depths.tolist()
         self.order_version = 0  # bumped when the order changes (subtrees built from it are stale)
+        self._set_order(list(range(1, n + 1)))  # template nodes in the order a row adds them
         self.steps = 0
         # moving mean of template nodes per row; prompt seeding reads it. It starts at 0: a fresh
         # engine seeds once its budget has shown the matrix is used (measured at 16 clients, where
@@ -346,26 +376,29 @@ class TreeBudget:
         # of the level for a budget that then verified 0.4 nodes per row)
         self.mean_nodes = 0.0
 
-    def plan(self, full: torch.Tensor, chains: list[list[int]], matches: list[int]) -> list[tuple[int, int]]:
+    def plan(self, roots: list[int], successors: Callable[[int], Sequence[int]], chains: list[list[int]],
+             matches: list[int]) -> list[tuple[int, int]]:
         """Per row, (template nodes, branch cap) for the most expected tokens per second.
-        full [b, N+1]: every row's whole template drafted; chains[r]: row r's retrieved branch;
-        matches[r]: the n-gram match length that found it."""
+        roots[r]: row r's last accepted token; successors(token): the matrix's candidates after a
+        token (the template node of rank k under a node drafting ``t`` drafts ``successors(t)[k]``);
+        chains[r]: row r's retrieved branch; matches[r]: the n-gram match length that found it."""
         self.steps += 1
         rates = self.acceptance.rate_list()  # path rate of template node i at [i-1]
         if self.steps % self.reorder_every == 0:
             self.reorder(rates)
-        position = {node: i for i, node in enumerate(self.order)}
+        position = self._position
         order_rates = [rates[node - 1] for node in self.order]
         chain_info = []
-        full_rows = full.tolist() if any(chains) else None
+        children, ranks = self.template.children, self._ranks
         for r, chain in enumerate(chains):
-            merge_pos, node = [], 0
-            for tok in chain:
-                nxt = next((c for c in self.template.children[node] if full_rows[r][c] == tok), None)
+            merge_pos, node, drafted = [], 0, roots[r]
+            for tok in chain:  # walk the template while the branch's tokens are the ones it drafts
+                after = successors(drafted)
+                nxt = next((c for c in children[node] if after[ranks[c]] == tok), None)
                 if nxt is None:
                     break
                 merge_pos.append(position[nxt])
-                node = nxt
+                node, drafted = nxt, tok
             merge_pos += [_NOT_VERIFIED] * (len(chain) - len(merge_pos))
             rates_r = self.context_stats.path_rates(matches[r])[: len(chain)] if self.context_stats and chain else []
             chain_info.append((merge_pos, rates_r))
@@ -382,8 +415,21 @@ class TreeBudget:
         index = {p: i + 1 for i, p in enumerate(paths)}
         order = [index[p] for p in order_by_rates(paths, rates)]
         if order != self.order:
-            self.order = order
+            self._set_order(order)
             self.order_version += 1
+
+    def _set_order(self, order: list[int]) -> None:
+        self.order = order
+        self._position = {node: i for i, node in enumerate(order)}
+        deepest, self._deepest = 0, [0]  # _deepest[n]: the deepest of the first n nodes
+        for node in order:
+            deepest = max(deepest, self._depths[node])
+            self._deepest.append(deepest)
+
+    def draft_depth(self, n: int) -> int:
+        """Template levels to draft when rows verify at most the first ``n`` nodes: theirs, and one
+        more, whose nodes' acceptance the verification also observes (their parents were verified)."""
+        return min(self._deepest[n] + 1, self._deepest[-1])
 
     def observe(self, batch: "DraftBatch", acceptance: "Acceptance", seconds: float | None) -> None:
         """Learn from one verification: the step's measured latency, which template nodes and

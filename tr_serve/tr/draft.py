@@ -43,7 +43,7 @@ class DraftBatch:
     match_lengths: tuple[int, ...]
     max_depth: int
     lengths: torch.Tensor | None = None
-    template_draft: torch.Tensor | None = None  # [b, N+1] the whole template drafted (acceptance statistics)
+    template_draft: torch.Tensor | None = None  # [b, N+1] the template drafted (acceptance statistics; EMPTY below what was verified)
 
     @property
     def num_nodes(self) -> int:
@@ -117,30 +117,35 @@ def build_draft(template_tokens: torch.Tensor, tree: CompiledTree, template_node
     q = max(lengths)
     parents_1d = tree.parents.clamp(min=0)
     parents_1d[0] = -1
-    if all(length == width for length in lengths):  # every row: the whole tree, nothing else
+    if all(k == n and not rest for k, (_, rest) in zip(row_nodes, extras)):  # every row: the whole tree, nothing else
         return DraftBatch(template_tokens, parents_1d[None].expand(b, width).clone(), tree.depths, tree.mask,
                           template_nodes, tuple(row_nodes), tuple(chain_cols), tuple(match_lengths),
                           tree.max_depth)
-    tokens = torch.full((b, q), EMPTY, dtype=torch.long)
-    parents = torch.zeros(b, q, dtype=torch.long)
-    depths = torch.ones(b, q, dtype=torch.long)
-    mask = torch.zeros(b, q, q, dtype=torch.bool)
+    # the template columns of every row at once (a prefix of the tree, cut to the row's w = row_nodes + 1)
     length_t = torch.tensor(lengths)
-    pad = torch.arange(q)[None, :] >= length_t[:, None]  # [b, q]: a dead child of the root
-    mask[:, :, 0] = pad
-    mask.diagonal(dim1=1, dim2=2).copy_(pad)
+    widths = torch.tensor(row_nodes) + 1  # [b]
+    col = torch.arange(q)
+    cut = min(q, width)
+    own = col[None, :cut] < widths[:, None]  # [b, cut] the row's template columns
+    tokens = torch.full((b, q), EMPTY, dtype=torch.long)
+    tokens[:, :cut] = torch.where(own, template_tokens[:, :cut], EMPTY)
+    parents = torch.zeros(b, q, dtype=torch.long)
+    parents[:, :cut] = torch.where(own, parents_1d[None, :cut], 0)
+    depths = torch.ones(b, q, dtype=torch.long)
+    depths[:, :cut] = torch.where(own, tree.depths[None, :cut], 1)
+    mask = torch.zeros(b, q, q, dtype=torch.bool)
+    mask[:, :cut, :cut] = tree.mask[None, :cut, :cut] & own[:, :, None] & own[:, None, :]
+    pad = col[None, :] >= length_t[:, None]  # [b, q]: a dead child of the root
+    mask[:, :, 0] |= pad
+    mask.diagonal(dim1=1, dim2=2).copy_(mask.diagonal(dim1=1, dim2=2) | pad)
     tree_depths = tree.depths.tolist()
-    max_depth = 0
-    for r, (under, rest) in enumerate(extras):
-        w = row_nodes[r] + 1
-        tokens[r, :w] = template_tokens[r, :w]
-        parents[r, :w] = parents_1d[:w]
-        depths[r, :w] = tree.depths[:w]
-        mask[r, :w, :w] = tree.mask[:w, :w]
-        max_depth = max(max_depth, max(tree_depths[:w]))
+    level_end = tree.depths.cummax(0).values.tolist()  # level_end[i]: the deepest of nodes 0..i
+    max_depth = max(level_end[w - 1] for w in widths.tolist())
+    for r, (under, rest) in enumerate(extras):  # the rows whose branch goes past their template nodes
         m = len(rest)
         if m == 0:
             continue
+        w = row_nodes[r] + 1
         cols = torch.arange(w, w + m)
         tokens[r, cols] = torch.tensor(rest, dtype=torch.long)
         parents[r, cols] = torch.tensor([under] + list(range(w, w + m - 1)), dtype=torch.long)

@@ -112,7 +112,6 @@ class Drafter:
         """roots [b]: each row's last accepted token (the last token of its context, if any).
         room[r]: how many tokens row r may still emit (a branch never drafts past it)."""
         b = roots.shape[0]
-        full = propose(self.matrix, roots, self.template) if self.template is not None else roots[:, None]
         chains: list[list[int]] = [[] for _ in range(b)]
         matches = [0] * b
         if self.context is not None and contexts is not None:
@@ -121,7 +120,16 @@ class Drafter:
                 matches[r], chains[r] = ctx.lookup(cap)
         n = self.template.num_nodes if self.template is not None else 0
         cap = self.context.max_tokens if self.context is not None else 0
-        plans = self.budget.plan(full, chains, matches) if self.budget is not None else [(n, cap)] * b
+        if self.budget is not None:  # the plan first: the template is then drafted only as deep as it is used
+            root_list = roots.tolist()
+            # the matrix rows a branch can walk through, read in one gather (one device sync at most)
+            walked = sorted({t for r, c in enumerate(chains) if c for t in [root_list[r], *c[:-1]]})
+            rows = dict(zip(walked, self.matrix.table[torch.tensor(walked, dtype=torch.long)].tolist())) if walked else {}
+            plans = self.budget.plan(root_list, rows.__getitem__, chains, matches)
+            full = propose(self.matrix, roots, self.template, self.budget.draft_depth(max(p[0] for p in plans)))
+        else:
+            plans = [(n, cap)] * b
+            full = propose(self.matrix, roots, self.template) if self.template is not None else roots[:, None]
         row_nodes = [p[0] for p in plans]
         tree, nodes = self._subtree(max(row_nodes))
         template_tokens = full[:, torch.cat([torch.zeros(1, dtype=torch.long), nodes])]

@@ -64,10 +64,14 @@ class AdjacencyMatrix:
         last.scatter_reduce_(0, tokens, position, reduce="amax")
         keep = last[tokens] == position
         tokens, index = tokens[keep], index[keep]
-        # only the kept nodes' logits are read (padding and duplicates are never copied); when every
-        # node is kept (plain steps, prompt seeding) the logits are read in place, not gathered first
-        kept = logits if index.numel() == logits.shape[0] else logits[index.to(logits.device)]
-        top = top_k_indices(kept.to(self.table.device), self.k).to(torch.int32)
+        # when most nodes are kept (plain and small steps, prompt seeding) every row is ranked in place
+        # and the kept rows' ranks picked: cheaper than copying the kept rows' logits out first
+        # (measured, 15 rows of 49152: a gather of 13 rows 0.20 ms, a top-k of 2 more rows 0.02 ms)
+        if 4 * index.numel() >= 3 * logits.shape[0]:
+            top = top_k_indices(logits, self.k).to(self.table.device)[index]
+        else:
+            top = top_k_indices(logits[index.to(logits.device)].to(self.table.device), self.k)
+        top = top.to(torch.int32)
         self.table[tokens] = top
         self._dirty[tokens] = True
 

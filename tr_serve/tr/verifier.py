@@ -7,6 +7,7 @@ from typing import Sequence
 
 import torch
 
+from tr_serve.tr.argmax import argmax_rows
 from tr_serve.tr.draft import DraftBatch, build_draft
 from tr_serve.tr.sampling import walk_tree
 from tr_serve.tr.tree import CompiledTree
@@ -116,10 +117,10 @@ def verify_batch(batch: DraftBatch, logits: torch.Tensor, sampling: Sequence[Row
     token (tr/sampling.py). The result holds what every row actually keeps and emits."""
     real = batch.real_nodes() if logits.dim() == 2 else None
     if real is None:
-        choice = logits.argmax(dim=-1)  # reads logits: the forward has finished
+        choice = argmax_rows(logits.reshape(-1, logits.shape[-1])).view(logits.shape[:-1])  # waits for the forward
     else:  # padding: token 0, never read (a padded node is never accepted and has no children)
         choice = torch.zeros(real.shape, dtype=torch.long)
-        choice[real] = logits.argmax(dim=-1).cpu()
+        choice[real] = argmax_rows(logits).cpu()
     acceptance = accept_draft(batch, choice)
     if all(s is None for s in sampling):
         return acceptance
