@@ -41,14 +41,13 @@ class AcceptanceStats:
         self.tree = tree
         self.decay = decay
         path = torch.tensor([1.0] + [path_prior(p) for p in tree.template], dtype=torch.float64)
-        self._parents = tree.parents.cpu()
-        prior = path[1:] / path[self._parents[1:]]  # conditional prior q_i = prior(path) / prior(parent path)
+        parents, order = tree.parents.cpu().numpy(), tree.level_order.cpu().numpy()
+        prior = path[1:] / path[parents[1:]]  # conditional prior q_i = prior(path) / prior(parent path)
         self.hits = prior * prior_weight
         self.trials = torch.full_like(prior, prior_weight)
-        self._parent_list = tree.parents.tolist()
-        self._level_order = tree.level_order.tolist()
-        parents = tree.parents.cpu().numpy()
-        order = tree.level_order.cpu().numpy()
+        self._parent_list = parents.tolist()
+        self._level_order = order.tolist()
+        # per depth: its nodes and their parents (what update() walks)
         self._levels = [(order[lo:hi], parents[order[lo:hi]]) for lo, hi in tree.level_slices]
         self._rates: list[float] | None = None
 

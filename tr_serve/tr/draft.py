@@ -140,7 +140,7 @@ def build_draft(template_tokens: torch.Tensor, tree: CompiledTree, template_node
     mask.diagonal(dim1=1, dim2=2).copy_(mask.diagonal(dim1=1, dim2=2) | pad)
     tree_depths = tree.depths.tolist()
     level_end = tree.depths.cummax(0).values.tolist()  # level_end[i]: the deepest of nodes 0..i
-    max_depth = max(level_end[w - 1] for w in widths.tolist())
+    max_depth = max(level_end[k] for k in row_nodes)  # a row's template columns are nodes 0..row_nodes[r]
     for r, (under, rest) in enumerate(extras):  # the rows whose branch goes past their template nodes
         m = len(rest)
         if m == 0:
