@@ -197,3 +197,52 @@ def test_price_picks_equal_the_best_option_at_every_price():
             ties = [o for o in options if abs((o[0] - price * o[1]) - (best[0] - price * best[1])) < 1e-9]
             assert pick in ties  # the best option itself, unless another scores the same to rounding
             assert len(ties) > 1 or pick == best
+
+
+def test_plan_gain_counts_template_nodes_and_the_unmerged_branch_tokens_under_the_cap():
+    from tr_serve.tr.budget import plan_gain
+
+    template = [0.6, 0.5, 0.2, 0.1]
+    branch = ([0, 1, 1 << 30, 1 << 30], [0.9, 0.8, 0.7, 0.6])  # first two merge into order positions 0, 1
+    assert plan_gain(template, [NO_BRANCH], [(3, 0)]) == pytest.approx(1.3)
+    # n = 2: both merged tokens are template nodes already (counted once), then at most 1 more
+    assert plan_gain(template, [branch], [(2, 1)]) == pytest.approx(0.6 + 0.5 + 0.7)
+    # n = 1: the second branch token is not among the verified nodes: it and the next come from the cap
+    assert plan_gain(template, [branch], [(1, 2)]) == pytest.approx(0.6 + 0.8 + 0.7)
+    assert plan_gain(template, [branch, NO_BRANCH], [(0, 0), (4, 0)]) == pytest.approx(1.4)
+
+
+def test_calibration_scales_the_rates_by_what_verification_accepted():
+    from tr_serve.tr.budget import GainCalibration
+
+    cal = GainCalibration(decay=1.0, prior=10.0)
+    assert cal.scale == 1.0
+    cal.observe(expected=30.0, accepted=10)  # promised 30 drafts, 10 accepted: (10 + 10) / (10 + 30)
+    assert cal.scale == pytest.approx(0.5)
+    for _ in range(50):
+        cal.observe(expected=10.0, accepted=0)
+    assert cal.scale == cal.bounds[0]  # never below its floor: the plan search keeps some trust
+
+
+def _budget(latency: StepLatency):
+    from tr_serve.tr.budget import TreeBudget
+    from tr_serve.tr.tree import compile_tree
+
+    tree = compile_tree([[0], [0, 0]])
+    return TreeBudget(tree, latency, context_tokens=0, node_candidates=(0, 1, 2), chain_caps=(0,), explore_every=1000)
+
+
+def test_an_overpromising_budget_learns_to_draft_less():
+    # the template's prior promises about 0.6 + 0.36 accepted drafts; a forward of 3 tokens costs
+    # 1.5 plain ones: worth it at face value, not once verification keeps accepting nothing
+    latency = StepLatency(LatencyTable((1, 3), (1.0, 1.5)))
+    budget = _budget(latency)
+    budget.acceptance.hits[:] = torch.tensor([0.9, 0.9]) * budget.acceptance.trials
+    successors = lambda token: [1]  # noqa: E731
+    assert budget.plan([0], successors, [[]], [0]) == [(2, 0)]
+    for _ in range(300):
+        budget.plan([0], successors, [[]], [0])
+        budget.calibration.observe(budget._expected, 0)  # what observe() records when nothing is accepted
+    assert budget.calibration.scale < 0.5
+    assert budget.plan([0], successors, [[]], [0]) == [(0, 0)]
+

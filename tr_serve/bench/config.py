@@ -12,7 +12,7 @@ from tr_serve.cli_args import missing_model_path
 from tr_serve.engine.config import CPU_KERNEL_MODES, DEFAULT_MODEL
 
 DEFAULT_JSON = os.path.join("bench_out", "bench.json")
-SEEDING_MODES = ("off", "on", "both")
+SEEDING_MODES = ("default", "on", "off", "both")
 
 
 @dataclass
@@ -23,7 +23,7 @@ class BenchConfig:
     trees: tuple[str, ...] = ("2.2.2",)
     model: str = DEFAULT_MODEL
     json_out: str = DEFAULT_JSON
-    prompt_seeding: str = "on"
+    prompt_seeding: str = "default"
     pld: bool = True  # same-runner prompt lookup (engine tree "pld")
     hf: bool = True  # transformers' generate: hf-greedy and hf-pld
     warmup: int = 1

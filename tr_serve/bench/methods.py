@@ -27,7 +27,7 @@ class Method:
     name: str
     kind: str  # "baseline", "tr", "pld" (engine methods) or "hf" (transformers' generate)
     tree: str | None = None  # engine tree setting
-    prompt_seeding: bool = False
+    prompt_seeding: bool | None = None  # EngineConfig.prompt_seeding (None: the engine's default)
     reference: str = "baseline"  # the method whose tokens/s is the denominator of this one's speedup
     lookup: int = 0  # hf: prompt_lookup_num_tokens, 0 for plain greedy
     llm: Any = None
@@ -41,11 +41,9 @@ class Method:
 def build_methods(cfg: BenchConfig) -> list[Method]:
     methods = [Method("baseline", "baseline", tree="none")]
     for spec in (t.strip() for t in cfg.trees):
-        # tr:<tree> runs as the engine does by default (prompt seeding on)
-        if cfg.prompt_seeding in ("on", "both"):
-            methods.append(Method(f"tr:{spec}", "tr", tree=spec, prompt_seeding=True))
-        if cfg.prompt_seeding == "off":
-            methods.append(Method(f"tr:{spec}", "tr", tree=spec, prompt_seeding=False))
+        # tr:<tree> runs as the engine does by default unless seeding is forced on or off
+        seeding = {"default": None, "on": True, "off": False, "both": True}[cfg.prompt_seeding]
+        methods.append(Method(f"tr:{spec}", "tr", tree=spec, prompt_seeding=seeding))
         if cfg.prompt_seeding == "both":
             methods.append(Method(f"tr:{spec}-noseed", "tr", tree=spec, prompt_seeding=False))
     if cfg.pld:

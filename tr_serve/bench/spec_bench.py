@@ -34,9 +34,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=DEFAULT_MODEL, help=f"default: {DEFAULT_MODEL}")
     p.add_argument("--json", dest="json_out", default=DEFAULT_JSON, metavar="OUT",
                    help=f"result JSON; the chart is written beside it as .png (default: {DEFAULT_JSON})")
-    p.add_argument("--prompt-seeding", choices=SEEDING_MODES, default="on",
-                   help="seed the TR matrix from the prompt, as the engine does by default; 'both' adds a "
-                        "method tr:<tree>-noseed per tree (default: on)")
+    p.add_argument("--prompt-seeding", choices=SEEDING_MODES, default="default",
+                   help="seed the TR matrix from the prompt's logits: as the engine does by default (fixed "
+                        "templates do, auto does not), forced on or off, or 'both': tr:<tree> seeded and "
+                        "tr:<tree>-noseed not, per tree (default: default)")
     p.add_argument("--cpu-kernels", choices=CPU_KERNEL_MODES, default="auto",
                    help="linear kernels of the engine methods (baseline, tr:*, pld) on CPU: the fastest measured "
                         "per token count, or torch's own (default: auto; hf-* always run torch's own)")

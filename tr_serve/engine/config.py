@@ -30,7 +30,9 @@ class EngineConfig:
     max_model_len: int = 2048
     device: str = "cpu"
     dtype: str = "auto"
-    prompt_seeding: bool = True  # measured: MAT +0.09-0.10 on Spec-Bench (see README)
+    # recycle the prompt's logits into the matrix at prefill: None = fixed templates do, "auto" does
+    # not (measured: MAT +0.09-0.10 for fixed trees, none for "auto"; Engine.seeds_prompts)
+    prompt_seeding: bool | None = None
     max_prefill_tokens: int = 512  # prompt tokens per prefill step (chunked prefill)
     kv_cache_memory_gb: float | None = None  # caps rows x max_model_len; None = max_num_seqs rows
     budget: str = "fixed"

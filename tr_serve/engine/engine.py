@@ -163,10 +163,7 @@ class Engine:
         batch = [c.request for c in plan]
         chunks = [c.tokens for c in plan]
         rows = torch.tensor([r.row for r in batch])
-        # prompt seeding runs the LM head over every prompt position: worth it only while the matrix
-        # drafts at least one verified node per step on average. Measured at 8 clients, where "auto"
-        # mostly settles on plain decoding: seeding cost 5% of the wall time and the tree earned less.
-        seeding = (self.spec.uses_matrix and self.config.prompt_seeding and self.drafter.mean_nodes >= 1.0)
+        seeding = self.seeds_prompts
         seeds = [last_occurrences(c) for c in chunks] if seeding else None  # the positions recycle keeps
         with self.timer.phase("prefill"):
             last_logits, seed_logits = self.runner.prefill(rows, chunks, logit_positions=seeds)
@@ -186,6 +183,19 @@ class Engine:
                 self.scheduler.start_decoding(req)
                 append_token(req, self._first_token(req, logits), self.eos_ids, self._context_full(req))
         return batch
+
+    @property
+    def seeds_prompts(self) -> bool:
+        """Whether prefill also recycles the prompt positions' logits into the matrix (the LM head
+        over every distinct prompt token's last position). By default fixed templates do (MAT 2.21
+        -> 2.31 for ``2.2.2``) and the cost-aware budget does not: with its context branch and a
+        hot matrix, seeding measured MAT 1.79 vs 1.78 on one stream and no gain at 4-16 clients,
+        where it cost 2-3% of the wall time (prefill is a third to a half of it there)."""
+        if not self.spec.uses_matrix:
+            return False
+        if self.config.prompt_seeding is None:
+            return not self.spec.auto_budget
+        return self.config.prompt_seeding
 
     def _first_token(self, req: Request, logits: torch.Tensor) -> int:
         p = req.params

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from tr_serve.tr.matrix import EMPTY
@@ -121,39 +122,43 @@ def build_draft(template_tokens: torch.Tensor, tree: CompiledTree, template_node
         return DraftBatch(template_tokens, parents_1d[None].expand(b, width).clone(), tree.depths, tree.mask,
                           template_nodes, tuple(row_nodes), tuple(chain_cols), tuple(match_lengths),
                           tree.max_depth)
-    # the template columns of every row at once (a prefix of the tree, cut to the row's w = row_nodes + 1)
-    length_t = torch.tensor(lengths)
-    widths = torch.tensor(row_nodes) + 1  # [b]
-    col = torch.arange(q)
+    # the template columns of every row at once (a prefix of the tree, cut to the row's w = row_nodes + 1),
+    # in numpy: a step builds a few [b, q] tables and each torch call on them costs several microseconds
+    drafted = template_tokens.cpu().numpy()
+    tree_mask, tree_depths_np = tree.mask.numpy(), tree.depths.numpy()
+    length_a = np.asarray(lengths, dtype=np.int64)
+    widths = np.asarray(row_nodes, dtype=np.int64) + 1  # [b]
+    col = np.arange(q)
     cut = min(q, width)
     own = col[None, :cut] < widths[:, None]  # [b, cut] the row's template columns
-    tokens = torch.full((b, q), EMPTY, dtype=torch.long)
-    tokens[:, :cut] = torch.where(own, template_tokens[:, :cut], EMPTY)
-    parents = torch.zeros(b, q, dtype=torch.long)
-    parents[:, :cut] = torch.where(own, parents_1d[None, :cut], 0)
-    depths = torch.ones(b, q, dtype=torch.long)
-    depths[:, :cut] = torch.where(own, tree.depths[None, :cut], 1)
-    mask = torch.zeros(b, q, q, dtype=torch.bool)
-    mask[:, :cut, :cut] = tree.mask[None, :cut, :cut] & own[:, :, None] & own[:, None, :]
-    pad = col[None, :] >= length_t[:, None]  # [b, q]: a dead child of the root
+    tokens = np.full((b, q), EMPTY, dtype=np.int64)
+    tokens[:, :cut] = np.where(own, drafted[:, :cut], EMPTY)
+    parents = np.zeros((b, q), dtype=np.int64)
+    parents[:, :cut] = np.where(own, parents_1d.numpy()[None, :cut], 0)
+    depths = np.ones((b, q), dtype=np.int64)
+    depths[:, :cut] = np.where(own, tree_depths_np[None, :cut], 1)
+    mask = np.zeros((b, q, q), dtype=bool)
+    mask[:, :cut, :cut] = tree_mask[None, :cut, :cut] & own[:, :, None] & own[:, None, :]
+    pad = col[None, :] >= length_a[:, None]  # [b, q]: a dead child of the root
     mask[:, :, 0] |= pad
-    mask.diagonal(dim1=1, dim2=2).copy_(mask.diagonal(dim1=1, dim2=2) | pad)
-    tree_depths = tree.depths.tolist()
-    level_end = tree.depths.cummax(0).values.tolist()  # level_end[i]: the deepest of nodes 0..i
+    mask[:, col, col] |= pad
+    tree_depths = tree_depths_np.tolist()
+    level_end = np.maximum.accumulate(tree_depths_np).tolist()  # level_end[i]: the deepest of nodes 0..i
     max_depth = max(level_end[k] for k in row_nodes)  # a row's template columns are nodes 0..row_nodes[r]
     for r, (under, rest) in enumerate(extras):  # the rows whose branch goes past their template nodes
         m = len(rest)
         if m == 0:
             continue
         w = row_nodes[r] + 1
-        cols = torch.arange(w, w + m)
-        tokens[r, cols] = torch.tensor(rest, dtype=torch.long)
-        parents[r, cols] = torch.tensor([under] + list(range(w, w + m - 1)), dtype=torch.long)
-        depths[r, cols] = torch.arange(tree_depths[under] + 1, tree_depths[under] + m + 1)
-        mask[r, w : w + m, :w] = tree.mask[under, :w]  # the merge node and its ancestors
-        mask[r, w : w + m, w : w + m] = torch.ones(m, m, dtype=torch.bool).tril()
+        tokens[r, w : w + m] = rest
+        parents[r, w] = under
+        parents[r, w + 1 : w + m] = np.arange(w, w + m - 1)
+        depths[r, w : w + m] = np.arange(tree_depths[under] + 1, tree_depths[under] + m + 1)
+        mask[r, w : w + m, :w] = tree_mask[under, :w]  # the merge node and its ancestors
+        mask[r, w : w + m, w : w + m] = np.tri(m, dtype=bool)
         max_depth = max(max_depth, tree_depths[under] + m)
         chain_cols[r] = chain_cols[r] + tuple(range(w, w + m))
-    packed = length_t if bool((length_t < q).any()) else None
+    packed = torch.from_numpy(length_a) if bool((length_a < q).any()) else None
+    tokens, parents, depths, mask = (torch.from_numpy(a) for a in (tokens, parents, depths, mask))
     return DraftBatch(tokens, parents, depths, mask, template_nodes, tuple(row_nodes), tuple(chain_cols),
                       tuple(match_lengths), max_depth, lengths=packed)

@@ -75,14 +75,6 @@ class Drafter:
         return self.budget.latency if self.budget is not None else None
 
     @property
-    def mean_nodes(self) -> float:
-        """Template nodes verified per row, a moving mean: prompt seeding pays only while the
-        matrix is used (engine.py)."""
-        if self.budget is not None:
-            return self.budget.mean_nodes
-        return float(min(self.template.num_nodes, 2)) if self.template is not None else 0.0
-
-    @property
     def order(self) -> list[int]:
         """Template nodes in the order a row adds them (a row verifies a prefix)."""
         if self.budget is not None:
