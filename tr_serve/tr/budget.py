@@ -394,8 +394,8 @@ class TreeBudget:
     It owns the per-node acceptance estimates, the context branch's acceptance by match length,
     the step latency model, the order in which template nodes are added (re-ranked every
     ``reorder_every`` steps by estimated acceptance, so a row verifies the most likely nodes),
-    and the calibration of its expected gains against what verification accepts. The drafter asks it for a plan each step and hands it what
-    the verification found."""
+    and the calibration of its expected gains against what verification accepts. The drafter asks
+    it for a plan each step and hands it what the verification found."""
 
     def __init__(self, template: CompiledTree, latency: StepLatency, context_tokens: int,
                  node_candidates: tuple[int, ...], chain_caps: tuple[int, ...], explore_every: int = 16,
