@@ -102,7 +102,8 @@ def build_draft(template_tokens: torch.Tensor, tree: CompiledTree, template_node
     row_nodes = [n] * b if row_nodes is None else [min(int(k), n) for k in row_nodes]
     extras: list[tuple[int, list[int]]] = []  # (column the rest hangs under, the rest)
     chain_cols: list[tuple[int, ...]] = []
-    rows_tokens = template_tokens.tolist() if any(chains) else None
+    host = template_tokens.cpu().numpy() if any(chains) else None  # one copy to the host, read by both walks
+    rows_tokens = host.tolist() if host is not None else None
     for r, chain in enumerate(chains):
         limit, node, cols, rest = row_nodes[r], 0, [], []
         for j, tok in enumerate(chain):
@@ -124,7 +125,7 @@ def build_draft(template_tokens: torch.Tensor, tree: CompiledTree, template_node
                           tree.max_depth)
     # the template columns of every row at once (a prefix of the tree, cut to the row's w = row_nodes + 1),
     # in numpy: a step builds a few [b, q] tables and each torch call on them costs several microseconds
-    drafted = template_tokens.cpu().numpy()
+    drafted = host if host is not None else template_tokens.cpu().numpy()
     tree_mask, tree_depths_np = tree.mask.numpy(), tree.depths.numpy()
     length_a = np.asarray(lengths, dtype=np.int64)
     widths = np.asarray(row_nodes, dtype=np.int64) + 1  # [b]
