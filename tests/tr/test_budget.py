@@ -86,9 +86,25 @@ def test_measured_step_latency_corrects_the_calibrated_table():
     latency.observe(8, 8, 1.0, width=1)
     latency.observe(8, 40, 3.0, width=5)  # measured: a batch of 8 trees costs 3 plain steps, more than it brings
     assert latency(8, 40, 5) == pytest.approx(3.0)
-    assert latency(8, 48, 5) == pytest.approx(3.0 / LatencyTable((1, 64), (1.0, 1.1))(40) * latency.table(48))
+    # the offset over the table is added: the table still prices each extra token
+    assert latency(8, 48, 5) == pytest.approx(3.0 + latency.table(48) - latency.table(40))
     assert latency(4, 8, 1) == latency.table(8)  # another row count: the table until it is measured
     assert choose_plan(rates, [NO_BRANCH] * 8, latency, (0, 4), (0,)) == [(0, 0)] * 8
+
+
+def test_step_latency_adds_a_per_shape_offset_and_caps_spikes():
+    # measured on CPU: 13 rows cost the one-row table plus a few ms whatever their tokens; a
+    # ratio would also scale the price of every drafted token
+    table = LatencyTable((1, 16, 32), (0.030, 0.040, 0.060))
+    latency = StepLatency(table, alpha=0.5)
+    latency.observe(13, 13, 0.045, width=1)
+    offset = 0.045 - table(13)
+    assert latency(13, 13, 1) == pytest.approx(0.045)
+    assert latency(13, 29, 2) == pytest.approx(table(29) + offset)  # nearest seen width, the table's slope
+    assert latency(13, 29, 2) - latency(13, 13, 1) == pytest.approx(table(29) - table(13))
+    latency.observe(13, 13, 1.0, width=1)  # a 1 s hiccup of the machine counts as 1.5x the prediction
+    assert latency(13, 13, 1) == pytest.approx(0.045 + 0.5 * (1.5 * 0.045 - 0.045))
+    assert latency(4, 13, 1) == table(13)  # another row count: the table until it is measured
 
 
 def test_padded_width_is_priced_per_row_count():
