@@ -19,8 +19,8 @@ import sys
 import time
 from typing import Sequence
 
-from tr_serve.cli_args import (OneLineErrorParser, UsageError, check_model_arg, positive_int, positive_int_list,
-                               quiet_transformers)
+from tr_serve.cli_args import (OneLineErrorParser, UsageError, check_model_arg, non_negative_int, positive_int,
+                               positive_int_list, quiet_transformers)
 from tr_serve.engine.config import DEFAULT_MODEL
 
 def build_parser() -> OneLineErrorParser:
@@ -58,7 +58,11 @@ def build_parser() -> OneLineErrorParser:
                    help="instead: N concurrent clients through the async engine per level, comparing plain "
                         "continuous batching (baseline), same-runner pld and tr:<tree> for each --tree (default: "
                         "tr:2.2.2 and tr:auto); every level and round serves --per-category questions per "
-                        "category of its own")
+                        "category of its own, and at least --questions-per-client per client")
+    b.add_argument("--questions-per-client", type=non_negative_int, default=3, metavar="K",
+                   help="with --concurrency: each round of level N serves at least K x N questions, so that N "
+                        "clients stay busy rather than one static batch waiting on its slowest request "
+                        "(default: 3; 0: --per-category alone)")
     b.add_argument("--rounds", type=positive_int, default=1, metavar="R",
                    help="with --concurrency: R rounds per level, each on questions of its own, alternating the "
                         "order of the methods each round (default: 1)")

@@ -45,6 +45,19 @@ def test_every_level_round_and_warmup_gets_questions_of_its_own():
     assert {q.question_id for q in pool[:24]} == measured
 
 
+def test_a_level_serves_at_least_per_client_questions_per_client():
+    # 16 clients on 13 questions would be one static batch: with per_client=2 level 16 serves 32
+    pool = interleave_by_category([Question(i, "abcd"[i % 4], "") for i in range(200)])
+    plan = plan_levels(pool, [1, 4, 16], rounds=2, per_run=8, warmup=1, per_client=2)
+    assert [len(qs) for level in (1, 4, 16) for qs in plan[level].rounds] == [8, 8, 8, 8, 32, 32]
+    served = [q.question_id for p in plan.values() for qs in p.rounds + [p.warmup] for q in qs]
+    assert len(served) == 8 * 4 + 64 + 3 and len(set(served)) == len(served)
+    for qs in plan[16].rounds:  # round robin over an interleaved pool: a mix of every category
+        assert sorted(q.category for q in qs) == sorted("abcd" * 8)
+    with pytest.raises(TooFewQuestionsError, match="1: 8, 4: 12, 16: 48"):
+        plan_levels(pool[:100], [1, 4, 16], rounds=2, per_run=8, per_client=3)
+
+
 def test_too_few_questions_is_an_error_that_says_what_is_needed():
     pool = [Question(i, "a", "") for i in range(10)]
     with pytest.raises(TooFewQuestionsError, match="need 15 distinct questions and the pool has 10"):
@@ -136,6 +149,6 @@ def test_cli_refuses_too_few_questions_before_loading_a_model(tmp_path, capsys):
                "--model", "./no-such-model"])
     err = capsys.readouterr().err.strip()
     assert rc == 2 and len(err.splitlines()) == 1
-    assert "too few questions" in err and "need 10 distinct questions and the pool has 6" in err
+    assert "too few questions" in err and "need 32 distinct questions and the pool has 6" in err
     rc = main(["bench", "--concurrency", "1", "--tree", "pld", "--questions", str(path)])
     assert rc == 2 and "measured as the method 'pld'" in capsys.readouterr().err

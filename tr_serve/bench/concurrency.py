@@ -10,7 +10,8 @@ Because a kept matrix has recycled every answer it produced, and greedy answers 
 question is never served twice into it: every level and every round (and each level's warm-up)
 gets its own slice of the question pool (:func:`plan_levels`), and the JSON records the question
 ids of each. All methods serve the same slice at a given level and round, so their outputs can be
-compared token for token.
+compared token for token. A round of level N serves at least ``--questions-per-client`` x N
+questions (default 3), so that N requests stay in flight for most of it.
 """
 
 from __future__ import annotations
@@ -81,36 +82,52 @@ def interleave_by_category(questions: Sequence[Any]) -> list[Any]:
     return out
 
 
+def level_size(level: int, per_run: int, per_client: int) -> int:
+    """Questions one round of ``level`` serves: ``per_run``, and at least ``per_client`` per client.
+
+    Why: N clients keep N requests in flight only while questions are left. With fewer questions
+    than clients the "level" is one static batch whose wall time is its slowest request (at 16
+    clients over 13 questions every method waited on its last row), not N concurrent clients."""
+    return max(per_run, per_client * level)
+
+
 def plan_levels(pool: Sequence[Any], levels: Sequence[int], rounds: int, per_run: int,
-                warmup: int = 0) -> dict[int, LevelPlan]:
-    """Split ``pool`` so that each (level, round) serves ``per_run`` questions of its own and each
-    level warms up on ``warmup`` more; no question appears twice. The measured slices are striped
-    over the first ``len(levels) * rounds * per_run`` questions of the pool (slice s takes positions
-    s, s + S, s + 2S, ...), so an interleaved pool gives every slice the same mix of categories;
-    warm-ups come from the questions after them."""
-    if rounds < 1 or per_run < 1 or warmup < 0 or not levels:
-        raise ValueError(f"need levels, rounds >= 1, per_run >= 1, warmup >= 0 (got {list(levels)}, {rounds}, "
-                         f"{per_run}, {warmup})")
+                warmup: int = 0, per_client: int = 0) -> dict[int, LevelPlan]:
+    """Split ``pool`` so that each (level, round) serves :func:`level_size` questions of its own
+    and each level warms up on ``warmup`` more; no question appears twice. The first questions of
+    the pool are dealt to the slices so that each holds the categories in proportion to its size
+    (a question goes to the open slice with the fewest of its category for its size); warm-ups
+    come from the questions after them."""
+    if rounds < 1 or per_run < 1 or warmup < 0 or per_client < 0 or not levels:
+        raise ValueError(f"need levels, rounds >= 1, per_run >= 1, warmup >= 0, per_client >= 0 (got {list(levels)}, "
+                         f"{rounds}, {per_run}, {warmup}, {per_client})")
     if len(set(levels)) != len(levels):
         raise ValueError(f"concurrency levels repeat: {list(levels)}")
-    slices = len(levels) * rounds
-    measured = slices * per_run
+    sizes = [level_size(level, per_run, per_client) for level in levels for _ in range(rounds)]
+    measured = sum(sizes)
     needed = measured + len(levels) * warmup
     if len(pool) < needed:
+        per_level = ", ".join(f"{level}: {level_size(level, per_run, per_client)}" for level in levels)
         raise TooFewQuestionsError(
-            f"too few questions: {len(levels)} levels x {rounds} rounds x {per_run} questions, plus {warmup} "
-            f"warm-up per level, need {needed} distinct questions and the pool has {len(pool)} (a question served "
-            "twice would meet a matrix that recycled its own answer); lower --per-category, --rounds, --warmup "
-            "or the number of levels, or give a larger --questions file")
+            f"too few questions: {len(levels)} levels x {rounds} rounds (questions per round by level: {per_level}), "
+            f"plus {warmup} warm-up per level, need {needed} distinct questions and the pool has {len(pool)} (a "
+            "question served twice would meet a matrix that recycled its own answer); lower --per-category, "
+            "--questions-per-client, --rounds, --warmup or the number of levels, or give a larger --questions file")
     ids = [q.question_id for q in pool[:needed]]
     if len(set(ids)) != len(ids):
         raise ValueError("the question pool repeats a question id")
-    head = list(pool[:measured])
+    slices: list[list[Any]] = [[] for _ in sizes]
+    counts: list[dict[Any, int]] = [{} for _ in sizes]  # per slice: questions of each category
+    for q in pool[:measured]:  # to the open slice with the least of q's category for its size
+        cat = getattr(q, "category", None)
+        s = min((i for i in range(len(sizes)) if len(slices[i]) < sizes[i]),
+                key=lambda i: (counts[i].get(cat, 0) / sizes[i], len(slices[i]) / sizes[i], i))
+        slices[s].append(q)
+        counts[s][cat] = counts[s].get(cat, 0) + 1
     spare = list(pool[measured:needed])
     out: dict[int, LevelPlan] = {}
     for li, level in enumerate(levels):
-        runs = [head[s::slices] for s in range(li * rounds, (li + 1) * rounds)]
-        out[level] = LevelPlan(runs, spare[li * warmup:(li + 1) * warmup])
+        out[level] = LevelPlan(slices[li * rounds:(li + 1) * rounds], spare[li * warmup:(li + 1) * warmup])
     return out
 
 
@@ -338,7 +355,7 @@ def execute(args: argparse.Namespace) -> int:
         categories = list(dict.fromkeys(q.category for q in questions))
         per_run = args.per_category * len(categories)
         schedule = plan_levels(interleave_by_category(questions), args.concurrency, args.rounds, per_run,
-                               args.warmup)
+                               args.warmup, args.questions_per_client)
     except (BenchError, ValueError) as e:
         raise UsageError(str(e)) from None
     check_model_arg(args.model)
@@ -351,15 +368,16 @@ def execute(args: argparse.Namespace) -> int:
     for plan in schedule.values():
         encode_questions(loaded.tokenizer, plan.warmup + [q for qs in plan.rounds for q in qs])
     methods = methods_for(args.trees, pld=args.pld)
-    bar = tqdm(total=per_run * len(methods) * len(args.concurrency) * args.rounds, desc="bench", unit="req",
-               file=sys.stderr)
+    served = sum(len(qs) for p in schedule.values() for qs in p.rounds)
+    bar = tqdm(total=served * len(methods), desc="bench", unit="req", file=sys.stderr)
     try:
         result = run_concurrency(loaded, schedule, args.max_new_tokens, methods, progress=lambda: bar.update(1),
                                  cpu_kernels=args.cpu_kernels, k=args.k, time_split=args.time_split)
     finally:
         bar.close()
     result.update(model=args.model, device=device, questions_file=str(args.questions),
-                  questions_per_level_round=per_run, max_new_tokens=args.max_new_tokens)
+                  questions_per_level_round={str(n): len(p.rounds[0]) for n, p in schedule.items()},
+                  questions_per_client=args.questions_per_client, max_new_tokens=args.max_new_tokens)
     png = save(result, Path(args.json_out))
     print(markdown(result))
     print(f"\nwrote {args.json_out} and {png}")

@@ -11,6 +11,7 @@ import itertools
 import time
 from typing import Any, Callable
 
+import numpy as np
 import torch
 
 from tr_serve.engine.config import EngineConfig
@@ -244,9 +245,10 @@ class Engine:
             self.runner.compact(rows, accepted)
         if self.spec.uses_matrix:
             with self.timer.phase("recycle"):
-                on_path = torch.zeros(draft.tokens.shape, dtype=torch.bool)  # the nodes each row kept
+                on_path = np.zeros(tuple(draft.tokens.shape), dtype=bool)  # the nodes each row kept
                 for i, nodes in enumerate(accepted):
-                    on_path[i, nodes] = True
+                    on_path[i, nodes.numpy()] = True
+                on_path = torch.from_numpy(on_path)
                 real = draft.real_nodes() if logits.dim() == 2 else None  # packed logits: real nodes only
                 if real is None:
                     self.matrix.recycle(draft.tokens, logits, preferred=on_path)
