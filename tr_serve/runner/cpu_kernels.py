@@ -58,8 +58,8 @@ logger = logging.getLogger(__name__)
 KERNELS = ("torch", "mkl_nt", "onednn", "panel")
 PREPACKED = ("onednn", "panel")  # kernels that keep a repacked copy of every weight (memory: one more model)
 # token counts measured; above the last: torch. 256 and 512 are prefill chunks (the engine's default
-# max_prefill_tokens is 512): measured here, torch's MKL took 1.05-1.22x the panel GEMM's time for
-# prefills of 150-512 prompt tokens, most for the mid sizes that staggered arrivals prefill alone
+# max_prefill_tokens is 512): measured here through the runner, whole prefill forwards of 150-512
+# prompt tokens (one to four prompts) took 1.01-1.22x as long with torch's linear as with the panel GEMM
 POINTS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 256, 512)
 PACK_HINT = 8  # oneDNN picks its weight layout for this many rows; measured flat from 3 to 16 here
 PLAN_VERSION = 10  # part of the cache key: plans measured by older code (one noisy run each) are measured again
