@@ -107,7 +107,7 @@ def plan_levels(pool: Sequence[Any], levels: Sequence[int], rounds: int, per_run
     measured = sum(sizes)
     needed = measured + len(levels) * warmup
     if len(pool) < needed:
-        per_level = ", ".join(f"{level}: {level_size(level, per_run, per_client)}" for level in levels)
+        per_level = ", ".join(f"{level}: {sizes[i * rounds]}" for i, level in enumerate(levels))
         raise TooFewQuestionsError(
             f"too few questions: {len(levels)} levels x {rounds} rounds (questions per round by level: {per_level}), "
             f"plus {warmup} warm-up per level, need {needed} distinct questions and the pool has {len(pool)} (a "
@@ -119,7 +119,7 @@ def plan_levels(pool: Sequence[Any], levels: Sequence[int], rounds: int, per_run
     slices: list[list[Any]] = [[] for _ in sizes]
     counts: list[dict[Any, int]] = [{} for _ in sizes]  # per slice: questions of each category
     for q in pool[:measured]:  # to the open slice with the least of q's category for its size
-        cat = getattr(q, "category", None)
+        cat = q.category
         s = min((i for i in range(len(sizes)) if len(slices[i]) < sizes[i]),
                 key=lambda i: (counts[i].get(cat, 0) / sizes[i], len(slices[i]) / sizes[i], i))
         slices[s].append(q)
