@@ -110,3 +110,38 @@ def test_runner_verify_with_native_attention_matches_torch_attention(tokenizer):
         out.append(runner.verify(torch.tensor([0, 1, 3]), tokens, depths, tree, torch.tensor([4, 2, 1])))
     assert out[0].shape == (7, 512)
     torch.testing.assert_close(out[0], out[1], rtol=1e-4, atol=1e-4)
+
+
+@needs_kernel
+def test_a_step_of_several_rows_takes_the_kernel_past_one_rows_width(tokenizer, monkeypatch):
+    """One row of 20 tokens beside a row of 1: the native kernel serves the step (torch's path
+    would pad both rows to 20), with the same logits as torch's attention up to summation order.
+    A single row that wide keeps torch's attention, which shares each key block across queries."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    assert ta.takes(2, 20) and ta.takes(16, ta.MAX_WIDTH_ROWS) and not ta.takes(2, ta.MAX_WIDTH_ROWS + 1)
+    assert not ta.takes(1, 17) and ta.takes(1, 16)
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+    config._attn_implementation = "sdpa"
+    model = LlamaForCausalLM(config).eval().requires_grad_(False)
+    calls = []
+    attend = ta.attend
+    monkeypatch.setattr(ta, "attend", lambda *a, **k: calls.append(a[3].visible.shape) or attend(*a, **k))
+    out = []
+    for native_attention in (True, False):
+        runner = ModelRunner(model, 2, 64, tree_attention_enabled=native_attention)
+        runner.prefill(torch.tensor([0, 1]), [[5, 9, 11], [7, 7, 300, 2, 8]])
+        calls.clear()  # a prefill this short (5 tokens) takes the kernel too
+        tokens = torch.zeros(2, 20, dtype=torch.long)
+        tokens[0] = torch.arange(3, 23)
+        tokens[1, 0] = 8
+        chain = torch.ones(20, 20, dtype=torch.bool).tril()  # row 0: a chain of 19 drafts under its root
+        out.append(runner.verify(torch.tensor([0, 1]), tokens, torch.arange(20)[None].expand(2, 20),
+                                 chain[None].expand(2, 20, 20), torch.tensor([20, 1])))
+        if native_attention:
+            assert calls == [(21, 20)] * config.num_hidden_layers  # 20 + 1 packed queries, each layer once
+    assert calls == []  # the last run, torch's attention, made no call
+    assert out[0].shape == (21, 512)
+    torch.testing.assert_close(out[0], out[1], rtol=1e-4, atol=1e-4)

@@ -114,8 +114,9 @@ def test_padded_width_is_priced_per_row_count():
     latency.observe(8, 12, 1.1, width=2)
     latency.observe(8, 12, 2.0, width=5)
     assert latency(8, 12, 2) < latency(8, 12, 5)
-    assert latency(8, 12, 4) == latency(8, 12, 5)  # same power-of-two width bucket
+    assert latency(8, 12, 8) == latency(8, 12, 5)  # same power-of-two width bucket (5-8)
     assert latency(8, 12, 16) == latency(8, 12, 5)  # unseen width: the nearest seen one
+    assert StepLatency.bucket(16) != StepLatency.bucket(17)  # the runner's attention paths part at 16
 
 
 def test_only_rows_with_a_promising_branch_draft_beside_plain_rows():

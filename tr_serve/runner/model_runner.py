@@ -116,14 +116,16 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward(self, rows: torch.Tensor, tokens: torch.Tensor, depths: torch.Tensor, local: torch.Tensor,
-                lengths: torch.Tensor | None = None) -> torch.Tensor:
+                lengths: torch.Tensor | None = None, verifying: bool = False) -> torch.Tensor:
         """Hidden states of the real tokens, packed in row order: [sum(lengths), hidden] ([b * q,
         hidden] when ``lengths`` is None), for ``tokens`` [b, q] at positions lens[row] + depths
         [b or 1, q]; lengths [b]: real tokens per row, the first of each row (padding after them).
 
         Where the model's body runs here (plain Llama on CPU), the linear layers see only the real
         tokens and attention runs per segment of rows of one width (padded layout only for rows
-        out of cache order). Elsewhere every position is computed and the real ones are kept."""
+        out of cache order). Elsewhere every position is computed and the real ones are kept.
+        ``verifying``: a verify step, whose rows of several widths the native tree attention takes
+        wider than a prefill's (``tree_attention.takes``)."""
         b, q = tokens.shape
         real = real_positions(lengths, q, self.device)
         starts = self.cache.begin_step(rows, q)
@@ -131,7 +133,7 @@ class ModelRunner:
         body = body_for(self.model)  # plain Llama: its layers without transformers' wrappers, same arithmetic
         widths = lengths.tolist() if lengths is not None else None  # real tokens per row
         queries = None
-        if (body is not None and self.tree_attention and q <= tree_attention.MAX_WIDTH
+        if (body is not None and self.tree_attention and tree_attention.takes(b if verifying else 1, q)
                 and self.cache.step_runs is not None):  # rows ascending
             queries = tree_attention.step_queries(rows.tolist(), starts.tolist(), widths or [q] * b, local)
         mask = None if queries is not None else build_step_mask(starts, local, self.cache.step_kv_len, self.dtype,
@@ -219,7 +221,7 @@ class ModelRunner:
         b, q = tokens.shape
         if lengths is not None and not bool((lengths < q).any()):
             lengths = None  # no row is padded
-        logits = self.logits(self.forward(rows, safe, depths, tree_mask, lengths))  # the real nodes only
+        logits = self.logits(self.forward(rows, safe, depths, tree_mask, lengths, verifying=True))  # the real nodes only
         return logits.view(b, q, -1) if lengths is None else logits
 
     def compact(self, rows: torch.Tensor, keep: list[torch.Tensor]) -> None:

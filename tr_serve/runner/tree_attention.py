@@ -36,6 +36,16 @@ from tr_serve.runner import native
 # (SmolLM2-135M, 2 threads, contexts 256 / 1024): this kernel is faster up to 16 tokens (16: 38.3
 # vs 38.5 ms and 45.4 vs 48.3 ms) and slower from 32 (65.2 vs 61.8 ms and 79.2 vs 78.2 ms).
 MAX_WIDTH = 16
+# A step of several rows takes the kernel up to this width: torch's path pads every row to the
+# widest, so one wide row made the whole step pay. Measured through the runner (2 threads, context
+# 1000): 16 rows with one row of 17 tokens 145 -> 100 ms, of 32 tokens 191 -> 124 ms; 4 rows with
+# one row of 48 tokens 164 -> 128 ms; 2 rows with one of 17 tokens 76 -> 54 ms.
+MAX_WIDTH_ROWS = 64
+
+
+def takes(rows: int, width: int) -> bool:
+    """Whether a verify step of ``rows`` rows, the widest ``width`` query tokens, runs here."""
+    return width <= MAX_WIDTH or (rows > 1 and width <= MAX_WIDTH_ROWS)
 
 SOURCE = r"""
 #include <stdint.h>

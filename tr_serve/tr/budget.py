@@ -206,7 +206,9 @@ class StepLatency:
 
     @staticmethod
     def bucket(tokens: int) -> int:
-        return max(1, tokens).bit_length()
+        """1, 2, 3-4, 5-8, 9-16, 17-32, ...: a width of 16 and one of 17 fall apart, as the
+        runner's paths do (``tree_attention.MAX_WIDTH``)."""
+        return (max(1, tokens) - 1).bit_length()
 
     def observe(self, rows: int, tokens: int, seconds: float, width: int | None = None) -> None:
         key = (rows, self.bucket(width or 1))
