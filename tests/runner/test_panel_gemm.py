@@ -21,7 +21,7 @@ def test_pack_layout():
 
 
 @needs_kernel
-@pytest.mark.parametrize("m", [1, 2, 7, 8, 9, 16, 17, 40])
+@pytest.mark.parametrize("m", [1, 2, 7, 8, 9, 16, 17, 18, 20, 40])
 @pytest.mark.parametrize("n,k", [(96, 40), (20, 130), (48, 300)])
 def test_matches_f_linear(m, n, k):
     g = torch.Generator().manual_seed(m * 1000 + n + k)
@@ -45,6 +45,13 @@ def test_batch_invariant_and_strided_input():
     more = torch.cat([x, torch.randn(24, 200, generator=g)])  # 40 rows: chunks of 16, 16 and 8
     assert torch.equal(pg.linear(more, p, 64)[:16], full)
     assert torch.equal(pg.linear(more, p, 64)[16:], pg.linear(more[16:], p, 64))
+    # a last chunk of 1-4 rows runs several panels at once (80 outputs: 5 panels, a partial group)
+    w5 = torch.randn(80, 200, generator=g)
+    p5 = pg.pack(w5)
+    alone = pg.linear(more[16:], p5, 80)
+    for m in (17, 18, 19, 20, 24):
+        got = pg.linear(more[:m], p5, 80)
+        assert torch.equal(got[:16], pg.linear(x, p5, 80)) and torch.equal(got[16:], alone[: m - 16])
     wide = torch.randn(16, 400, generator=g)
     wide[:, ::2] = x  # a strided view with row stride 400
     assert torch.equal(pg.linear(wide[:, ::2].contiguous(), p, 64), full)
