@@ -45,7 +45,7 @@ def test_batch_invariant_and_strided_input():
     more = torch.cat([x, torch.randn(24, 200, generator=g)])  # 40 rows: chunks of 16, 16 and 8
     assert torch.equal(pg.linear(more, p, 64)[:16], full)
     assert torch.equal(pg.linear(more, p, 64)[16:], pg.linear(more[16:], p, 64))
-    # a last chunk of 1-4 rows runs several panels at once (80 outputs: 5 panels, a partial group)
+    # a last chunk of 1-8 rows after a full one: those rows as they come alone (80 outputs: 5 panels)
     w5 = torch.randn(80, 200, generator=g)
     p5 = pg.pack(w5)
     alone = pg.linear(more[16:], p5, 80)

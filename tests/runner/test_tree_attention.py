@@ -92,13 +92,7 @@ def test_shapes_it_takes():
 def test_runner_verify_with_native_attention_matches_torch_attention(tokenizer):
     """A ragged verify (three rows, widths 1-4, a gap in the rows) through the runner gives the
     same logits with the native kernel as with torch's attention, up to summation order."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
-    config._attn_implementation = "sdpa"
-    model = LlamaForCausalLM(config).eval().requires_grad_(False)
+    model = _small_llama()
     out = []
     for native_attention in (True, False):
         runner = ModelRunner(model, 4, 64, tree_attention_enabled=native_attention)
@@ -117,15 +111,9 @@ def test_a_step_of_several_rows_takes_the_kernel_past_one_rows_width(tokenizer, 
     """One row of 20 tokens beside a row of 1: the native kernel serves the step (torch's path
     would pad both rows to 20), with the same logits as torch's attention up to summation order.
     A single row that wide keeps torch's attention, which shares each key block across queries."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
     assert ta.takes(2, 20) and ta.takes(16, ta.MAX_WIDTH_ROWS) and not ta.takes(2, ta.MAX_WIDTH_ROWS + 1)
     assert not ta.takes(1, 17) and ta.takes(1, 16)
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
-    config._attn_implementation = "sdpa"
-    model = LlamaForCausalLM(config).eval().requires_grad_(False)
+    model = _small_llama()
     calls = []
     attend = ta.attend
     monkeypatch.setattr(ta, "attend", lambda *a, **k: calls.append(a[3].visible.shape) or attend(*a, **k))
@@ -141,7 +129,18 @@ def test_a_step_of_several_rows_takes_the_kernel_past_one_rows_width(tokenizer, 
         out.append(runner.verify(torch.tensor([0, 1]), tokens, torch.arange(20)[None].expand(2, 20),
                                  chain[None].expand(2, 20, 20), torch.tensor([20, 1])))
         if native_attention:
-            assert calls == [(21, 20)] * config.num_hidden_layers  # 20 + 1 packed queries, each layer once
+            assert calls == [(21, 20)] * model.config.num_hidden_layers  # 20 + 1 packed queries, each layer once
     assert calls == []  # the last run, torch's attention, made no call
     assert out[0].shape == (21, 512)
     torch.testing.assert_close(out[0], out[1], rtol=1e-4, atol=1e-4)
+
+
+def _small_llama():
+    """A 2-layer random Llama with grouped key/value heads of size 16 (the kernel's shapes)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+    config._attn_implementation = "sdpa"
+    return LlamaForCausalLM(config).eval().requires_grad_(False)
