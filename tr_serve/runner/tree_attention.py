@@ -47,6 +47,7 @@ def takes(rows: int, width: int) -> bool:
     """Whether a verify step of ``rows`` rows, the widest ``width`` query tokens, runs here."""
     return width <= MAX_WIDTH or (rows > 1 and width <= MAX_WIDTH_ROWS)
 
+
 SOURCE = r"""
 #include <stdint.h>
 #include <stdlib.h>
