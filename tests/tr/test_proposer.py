@@ -101,3 +101,20 @@ def test_max_depth_fills_only_the_shallow_levels():
     assert full[0].tolist() == [1, 2, 3, 4, 5, 6]
     assert one[0].tolist() == [1, 2, 3, EMPTY, EMPTY, EMPTY]
     assert two[0].tolist() == [1, 2, 3, 4, 5, EMPTY]
+
+
+def test_host_and_device_paths_draft_alike():
+    # a CPU table drafts in numpy; a GPU one with torch ops on its device: same tokens, EMPTY included
+    from tr_serve.tr.proposer import _propose_device, _propose_host
+
+    g = torch.Generator().manual_seed(2)
+    m = AdjacencyMatrix(V, k=8)
+    m.table.copy_(torch.randint(0, V, (V, 8), generator=g, dtype=torch.int32))
+    m.table[torch.randint(0, V, (V // 3,), generator=g)] = EMPTY  # rows with no candidates yet
+    tree = compile_tree(DEFAULT_TREE)
+    roots = torch.tensor([0, 5, 7, V - 1])
+    for depth in (None, 1, 3):
+        host = _propose_host(m.table.numpy(), roots, tree, depth)
+        assert host.dtype == torch.long and torch.equal(host, _propose_device(m.table, roots, tree, depth))
+        assert torch.equal(propose(m, roots, tree, depth), host)
+    assert (host == EMPTY).any() and (host[:, 1:] != EMPTY).any()

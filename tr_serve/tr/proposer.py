@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from tr_serve.tr.matrix import EMPTY, AdjacencyMatrix
@@ -16,7 +17,13 @@ def propose(matrix: AdjacencyMatrix, roots: torch.Tensor, tree: CompiledTree, ma
     returns: [b, n+1] tokens, column 0 = root, column i = node i (EMPTY where the parent's row
     has no candidate at that rank).
     """
-    table = matrix.table
+    if matrix.table.device.type == "cpu":
+        return _propose_host(matrix.table.numpy(), roots, tree, max_depth)
+    return _propose_device(matrix.table, roots, tree, max_depth)
+
+
+def _propose_device(table: torch.Tensor, roots: torch.Tensor, tree: CompiledTree, max_depth: int | None) -> torch.Tensor:
+    """:func:`propose` on the table's device (a GPU): one gather per level, no copy to the host."""
     b = roots.shape[0]
     tokens = torch.full((b, tree.num_nodes + 1), EMPTY, dtype=torch.long, device=table.device)
     tokens[:, 0] = roots.to(table.device)
@@ -26,3 +33,19 @@ def propose(matrix: AdjacencyMatrix, roots: torch.Tensor, tree: CompiledTree, ma
         drafted = table[parent_tok.clamp(min=0), tree.ranks[nodes]].long()  # [b, m]
         tokens[:, nodes] = torch.where(parent_tok >= 0, drafted, EMPTY)
     return tokens
+
+
+def _propose_host(table: np.ndarray, roots: torch.Tensor, tree: CompiledTree, max_depth: int | None) -> torch.Tensor:
+    """:func:`propose` with a table in host memory, in numpy: the same gathers, without the few
+    microseconds each of the ~8 small torch calls per level costs (measured, 80-node template, six
+    levels: 0.26 -> 0.06-0.10 ms per step at 1-16 rows)."""
+    b = roots.shape[0]
+    order, parents, ranks = tree.level_order.numpy(), tree.parents.numpy(), tree.ranks.numpy()
+    tokens = np.full((b, tree.num_nodes + 1), EMPTY, dtype=np.int64)
+    tokens[:, 0] = roots.numpy()
+    for start, stop in tree.level_slices[:max_depth]:
+        nodes = order[start:stop]  # [m] node indices of this depth
+        parent_tok = tokens[:, parents[nodes]]  # [b, m]
+        drafted = table[np.maximum(parent_tok, 0), ranks[nodes]]  # [b, m]
+        tokens[:, nodes] = np.where(parent_tok >= 0, drafted, EMPTY)
+    return torch.from_numpy(tokens)
