@@ -43,9 +43,10 @@ MAX_WIDTH = 16
 MAX_WIDTH_ROWS = 64
 
 
-def takes(rows: int, width: int) -> bool:
-    """Whether a verify step of ``rows`` rows, the widest ``width`` query tokens, runs here."""
-    return width <= MAX_WIDTH or (rows > 1 and width <= MAX_WIDTH_ROWS)
+def takes(rows: int, width: int, verify: bool = True) -> bool:
+    """Whether a step of ``rows`` rows, the widest ``width`` query tokens, runs here. A prefill
+    keeps the one-row limit: the wider rule was measured on verify steps only."""
+    return width <= MAX_WIDTH or (verify and rows > 1 and width <= MAX_WIDTH_ROWS)
 
 
 SOURCE = r"""
