@@ -255,7 +255,7 @@ def test_an_overpromising_budget_learns_to_draft_less():
     latency = StepLatency(LatencyTable((1, 3), (1.0, 1.5)))
     budget = _budget(latency)
     budget.acceptance.hits[:] = torch.tensor([0.9, 0.9]) * budget.acceptance.trials
-    successors = lambda token: [1]  # noqa: E731
+    successors = lambda before, token: [1]  # noqa: E731
     assert budget.plan([0], successors, [[]], [0]) == [(2, 0)]
     for _ in range(300):
         budget.plan([0], successors, [[]], [0])

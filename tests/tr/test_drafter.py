@@ -81,3 +81,29 @@ def test_auto_verifies_the_best_estimated_nodes(tokenizer, tmp_path, monkeypatch
     assert torch.all(ordered[:-1] >= ordered[1:])
     assert drafter.order != list(range(1, len(paths) + 1))  # the estimates moved away from level order
     assert run(engine, PROMPT[::-1], 16)  # and it keeps serving with the new subsets
+
+
+def test_the_fixed_hybrid_drafts_from_the_pair_table_and_stays_lossless(tokenizer):
+    loaded = tiny_loaded(tokenizer, seed=3, init_range=0.1)
+    plain = run(Engine(loaded, EngineConfig(model="tiny", tree="none", max_model_len=128)), PROMPT, 40)
+    hybrid = Engine(loaded, EngineConfig(model="tiny", tree="2.2.2+ctx", max_model_len=128))
+    assert hybrid.pairs is not None and hybrid.drafter.pairs is hybrid.pairs
+    befores = []
+    spy(hybrid.drafter, "draft", lambda args, result: befores.append(args[3]))
+    assert run(hybrid, PROMPT, 40) == plain
+    assert hybrid.pairs.num_filled() > 0
+    assert all(b is not None for b in befores) and int(befores[0][0]) == PROMPT[-1]  # the first root: the prompt's last token before it
+    # the paper's template and the cost-aware budget draft from the matrix alone, unless asked
+    for tree in ("2.2.2", "auto"):
+        assert Engine(loaded, EngineConfig(model="tiny", tree=tree, max_model_len=128)).pairs is None
+    opted = Engine(loaded, EngineConfig(model="tiny", tree="auto", max_model_len=128, pair_table=True))
+    assert run(opted, PROMPT, 40) == plain and opted.pairs.num_filled() > 0
+    off = Engine(loaded, EngineConfig(model="tiny", tree="2.2.2+ctx", max_model_len=128, pair_table=False))
+    assert off.pairs is None and run(off, PROMPT, 40) == plain
+
+
+def test_pair_table_slots_must_be_a_power_of_two():
+    import pytest
+
+    with pytest.raises(ValueError, match="power of two"):
+        EngineConfig(model="tiny", pair_table_slots=1000)

@@ -7,6 +7,7 @@ import re
 from dataclasses import dataclass
 
 from tr_serve.model_loader import EMBEDDED_ALIAS
+from tr_serve.tr.pair_table import DEFAULT_SLOTS
 from tr_serve.tr.tree_spec import DEFAULT_TREE_SETTING, is_plain, parse_tree_spec
 
 # the model tr_serve serves when none is named: the embedded SmolLM2-135M-Instruct (model_loader.py)
@@ -33,6 +34,11 @@ class EngineConfig:
     # recycle the prompt's logits into the matrix at prefill: None = fixed templates do, "auto" does
     # not (measured: MAT +0.09-0.10 for fixed trees, none for "auto"; Engine.seeds_prompts)
     prompt_seeding: bool | None = None
+    # second-order rows keyed by (token before, token) beside the matrix (tr/pair_table.py): None =
+    # the fixed hybrid templates (``<template>+ctx``) use them, ``auto`` and a bare template (the
+    # paper's method) do not (Engine.uses_pairs); pair_table_slots: the table's size, a power of two
+    pair_table: bool | None = None
+    pair_table_slots: int = DEFAULT_SLOTS
     max_prefill_tokens: int = 512  # prompt tokens per prefill step (chunked prefill)
     kv_cache_memory_gb: float | None = None  # caps rows x max_model_len; None = max_num_seqs rows
     budget: str = "fixed"
@@ -50,6 +56,8 @@ class EngineConfig:
             raise ValueError(f"budget must be 'fixed' or 'auto', got {self.budget!r}")
         if self.cpu_kernels not in CPU_KERNEL_MODES:
             raise ValueError(f"cpu_kernels must be 'auto' or 'torch', got {self.cpu_kernels!r}")
+        if self.pair_table_slots < 1 or self.pair_table_slots & (self.pair_table_slots - 1):
+            raise ValueError(f"pair_table_slots must be a power of two, got {self.pair_table_slots}")
         if self.max_prefill_tokens < 1:
             raise ValueError(f"max_prefill_tokens must be >= 1, got {self.max_prefill_tokens}")
         if self.kv_cache_memory_gb is not None and self.kv_cache_memory_gb <= 0:

@@ -31,7 +31,8 @@ from tr_serve.tr.argmax import argmax_rows
 from tr_serve.tr.budget import StepLatency
 from tr_serve.tr.draft import DraftBatch
 from tr_serve.tr.drafter import Drafter
-from tr_serve.tr.matrix import AdjacencyMatrix, last_occurrences
+from tr_serve.tr.matrix import EMPTY, AdjacencyMatrix, last_occurrences
+from tr_serve.tr.pair_table import PairTable
 from tr_serve.tr.sampling import process_logits, sample_token
 from tr_serve.tr.tree import compile_tree, load_template
 from tr_serve.tr.tree_spec import parse_tree_spec
@@ -74,6 +75,8 @@ class Engine:
             self.runner, self.num_rows = runner(max_len)
         vocab = self.runner.vocab_size
         self.matrix = matrix if matrix is not None else AdjacencyMatrix(vocab, config.k, device=self.runner.device)
+        self.pairs = (PairTable(vocab, config.k, config.pair_table_slots, device=self.matrix.device)
+                      if self.uses_pairs else None)
         self.timer = timer or PhaseTimer(self.runner.device, enabled=False)
         self.drafter: Drafter | None = None
         if not self.spec.plain:
@@ -83,7 +86,7 @@ class Engine:
 
                 max_q = self.num_rows * (scratch + 1)
                 latency = StepLatency(load_or_measure(self.runner, loaded.model_id, max_q))
-            self.drafter = Drafter(self.spec, template, self.matrix, latency)
+            self.drafter = Drafter(self.spec, template, self.matrix, latency, self.pairs)
         self.scheduler = Scheduler(self.num_rows, config.max_prefill_tokens)
 
     # ---- the scheduler's state, for tests and tools ----------------------------------------------
@@ -170,13 +173,19 @@ class Engine:
             last_logits, seed_logits = self.runner.prefill(rows, chunks, logit_positions=seeds)
         done = []
         for i, (req, chunk) in enumerate(zip(batch, chunks)):
+            start = req.num_prefilled
             req.num_prefilled += len(chunk)
             if self.spec.uses_matrix:
                 with self.timer.phase("recycle"):
+                    # the token before each prompt position: the pair table's key
+                    before = [req.prompt_ids[start + j - 1] if start + j > 0 else EMPTY for j in range(len(chunk))]
                     if seeding:
-                        self.matrix.recycle(torch.tensor(chunk)[seeds[i]], seed_logits[i])
+                        keep = seeds[i]
+                        self.matrix.recycle(torch.tensor(chunk)[keep], seed_logits[i], pairs=self.pairs,
+                                            before=torch.tensor(before)[keep])
                     elif req.num_prefilled == len(req.prompt_ids):
-                        self.matrix.recycle(torch.tensor(chunk[-1:]), last_logits[i : i + 1])
+                        self.matrix.recycle(torch.tensor(chunk[-1:]), last_logits[i : i + 1], pairs=self.pairs,
+                                            before=torch.tensor(before[-1:]))
             if req.num_prefilled == len(req.prompt_ids):
                 done.append((req, last_logits[i]))
         with self.timer.phase("postprocess"):
@@ -198,6 +207,20 @@ class Engine:
             return not self.spec.auto_budget
         return self.config.prompt_seeding
 
+    @property
+    def uses_pairs(self) -> bool:
+        """Whether the drafts also come from the pair table (tr/pair_table.py). By default the
+        fixed hybrid templates' do (``<template>+ctx``: MAT 2.68 -> 2.89 for ``2.2.2+ctx``, 1.89 ->
+        1.93 for ``top8+ctx``, 13 dev questions); ``auto``'s do not (1.81 -> 1.80 and 1.77 -> 1.78 on 26:
+        it verifies a few shallow nodes on one stream, where the pairs add little, and its nodes
+        are a prefix of one order for every row, so it cannot follow a row's pair rows deeper);
+        a bare template's do not either, so that ``tr:2.2.2`` stays the paper's method."""
+        if not self.spec.uses_matrix:
+            return False
+        if self.config.pair_table is None:
+            return self.spec.context and not self.spec.auto_budget
+        return self.config.pair_table
+
     def _first_token(self, req: Request, logits: torch.Tensor) -> int:
         p = req.params
         if p.greedy:
@@ -213,7 +236,8 @@ class Engine:
             contexts = [self._synced_context(r) for r in batch]
             room = [min(r.params.max_tokens - len(r.output_ids),
                         self.config.max_model_len - len(r.prompt_ids) - len(r.output_ids)) for r in batch]
-        return self.drafter.draft(roots, contexts, room)
+        before = torch.tensor([r.token_before_last for r in batch]) if self.pairs is not None else None
+        return self.drafter.draft(roots, contexts, room, before)
 
     @staticmethod
     def _synced_context(req: Request):
@@ -250,10 +274,12 @@ class Engine:
                     on_path[i, nodes.numpy()] = True
                 on_path = torch.from_numpy(on_path)
                 real = draft.real_nodes() if logits.dim() == 2 else None  # packed logits: real nodes only
+                before = draft.tokens_before(torch.tensor([r.token_before_last for r in batch])) if self.pairs is not None else None
                 if real is None:
-                    self.matrix.recycle(draft.tokens, logits, preferred=on_path)
+                    self.matrix.recycle(draft.tokens, logits, preferred=on_path, pairs=self.pairs, before=before)
                 else:
-                    self.matrix.recycle(draft.tokens[real], logits, preferred=on_path[real])
+                    self.matrix.recycle(draft.tokens[real], logits, preferred=on_path[real], pairs=self.pairs,
+                                        before=before[real] if before is not None else None)
         with self.timer.phase("postprocess"):
             for req, out, nodes in zip(batch, emitted, draft.nodes_per_row()):
                 kept = 0  # tokens of this step that made it into the output (a stop cuts the rest)

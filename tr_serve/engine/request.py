@@ -77,6 +77,14 @@ class Request:
     def last_token(self) -> int:
         return self.output_ids[-1]
 
+    @property
+    def token_before_last(self) -> int:
+        """The token before :attr:`last_token` (-1 when the prompt was empty): with it, the key of
+        the pair table's row (tr/pair_table.py)."""
+        if len(self.output_ids) > 1:
+            return self.output_ids[-2]
+        return self.prompt_ids[-1] if self.prompt_ids else -1
+
     def take_output(self) -> RequestOutput:
         """The output now, with the text and tokens new since the last call. While running, text
         that could be the start of a stop string is held back."""

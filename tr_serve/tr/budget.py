@@ -428,12 +428,14 @@ class TreeBudget:
         self.calibration = GainCalibration()
         self._expected: float | None = None  # the last plan's expected accepted drafts (unscaled rates)
 
-    def plan(self, roots: list[int], successors: Callable[[int], Sequence[int]], chains: list[list[int]],
-             matches: list[int]) -> list[tuple[int, int]]:
+    def plan(self, roots: list[int], successors: Callable[[int, int], Sequence[int]], chains: list[list[int]],
+             matches: list[int], before: list[int] | None = None) -> list[tuple[int, int]]:
         """Per row, (template nodes, branch cap) for the most expected tokens per second.
-        roots[r]: row r's last accepted token; successors(token): the matrix's candidates after a
-        token (the template node of rank k under a node drafting ``t`` drafts ``successors(t)[k]``);
-        chains[r]: row r's retrieved branch; matches[r]: the n-gram match length that found it."""
+        roots[r]: row r's last accepted token; successors(before, token): the candidates drafted
+        after a token whose previous token is ``before`` (the template node of rank k under a node
+        drafting ``t``, whose parent drafts ``s``, drafts ``successors(s, t)[k]``); chains[r]: row
+        r's retrieved branch; matches[r]: the n-gram match length that found it; before[r]: the
+        token before row r's root (-1, the default, when none is known)."""
         self.steps += 1
         rates = self.acceptance.rate_list()  # path rate of template node i at [i-1]
         if self.steps % self.reorder_every == 0:
@@ -444,14 +446,14 @@ class TreeBudget:
         chain_info = []
         children, ranks = self.template.children, self._ranks
         for r, chain in enumerate(chains):
-            merge_pos, node, drafted = [], 0, roots[r]
+            merge_pos, node, prev, drafted = [], 0, before[r] if before is not None else -1, roots[r]
             for tok in chain:  # walk the template while the branch's tokens are the ones it drafts
-                after = successors(drafted)
+                after = successors(prev, drafted)
                 nxt = next((c for c in children[node] if after[ranks[c]] == tok), None)
                 if nxt is None:
                     break
                 merge_pos.append(position[nxt])
-                node, drafted = nxt, tok
+                node, prev, drafted = nxt, drafted, tok
             merge_pos += [_NOT_VERIFIED] * (len(chain) - len(merge_pos))
             rates_r = self.context_stats.path_rates(matches[r])[: len(chain)] if self.context_stats and chain else []
             chain_info.append((merge_pos, rates_r))

@@ -73,6 +73,13 @@ class DraftBatch:
             return None
         return torch.arange(self.tokens.shape[1])[None, :] < self.lengths[:, None]
 
+    def tokens_before(self, before_roots: torch.Tensor) -> torch.Tensor:
+        """[b, q] the token before each node: its parent's, ``before_roots`` [b] for the roots
+        (the pair table's keys, with :attr:`tokens`)."""
+        out = self.tokens.gather(1, self.parents.clamp(min=0))
+        out[:, 0] = before_roots
+        return out
+
     def row_depths(self) -> torch.Tensor:
         return self.depths if self.depths.dim() == 2 else self.depths[None].expand_as(self.tokens)
 

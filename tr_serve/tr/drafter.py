@@ -12,13 +12,15 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import Callable, Sequence
 
 import torch
 
 from tr_serve.tr.budget import AcceptanceStats, StepLatency, TreeBudget, observe_template
 from tr_serve.tr.context_index import ContextIndex
 from tr_serve.tr.draft import DraftBatch, build_draft
-from tr_serve.tr.matrix import AdjacencyMatrix
+from tr_serve.tr.matrix import EMPTY, AdjacencyMatrix
+from tr_serve.tr.pair_table import PairTable
 from tr_serve.tr.proposer import propose
 from tr_serve.tr.tree import CompiledTree, compile_tree
 from tr_serve.tr.tree_spec import TreeSpec
@@ -54,12 +56,13 @@ class Drafter:
     branch, and, under ``auto``, the per-row plan of the :class:`TreeBudget`."""
 
     def __init__(self, spec: TreeSpec, template: CompiledTree | None, matrix: AdjacencyMatrix,
-                 latency: StepLatency | None = None):
+                 latency: StepLatency | None = None, pairs: PairTable | None = None):
         if spec.auto_budget and (template is None or latency is None):
             raise ValueError("the cost-aware budget needs a template and a latency table")
         self.spec = spec
         self.template = template
         self.matrix = matrix
+        self.pairs = pairs  # second-order rows keyed by (token before, token), or None (tr/pair_table.py)
         self.context = (PLD_CONTEXT if template is None else HYBRID_CONTEXT) if spec.context else None
         self.budget: TreeBudget | None = None
         if spec.auto_budget:
@@ -100,9 +103,11 @@ class Drafter:
 
     # ---- drafting ------------------------------------------------------------------------------
     def draft(self, roots: torch.Tensor, contexts: list[ContextIndex] | None = None,
-              room: list[int] | None = None) -> DraftBatch:
+              room: list[int] | None = None, before: torch.Tensor | None = None) -> DraftBatch:
         """roots [b]: each row's last accepted token (the last token of its context, if any).
-        room[r]: how many tokens row r may still emit (a branch never drafts past it)."""
+        room[r]: how many tokens row r may still emit (a branch never drafts past it).
+        before [b]: the token before each root (-1: none), for the pair table's rows."""
+        pairs = self.pairs if before is not None else None
         b = roots.shape[0]
         chains: list[list[int]] = [[] for _ in range(b)]
         matches = [0] * b
@@ -114,19 +119,43 @@ class Drafter:
         cap = self.context.max_tokens if self.context is not None else 0
         if self.budget is not None:  # the plan first: the template is then drafted only as deep as it is used
             root_list = roots.tolist()
-            # the matrix rows a branch can walk through, read in one gather (one device sync at most)
-            walked = sorted({t for r, c in enumerate(chains) if c for t in [root_list[r], *c[:-1]]})
-            rows = dict(zip(walked, self.matrix.table[torch.tensor(walked, dtype=torch.long)].tolist())) if walked else {}
-            plans = self.budget.plan(root_list, rows.__getitem__, chains, matches)
-            full = propose(self.matrix, roots, self.template, self.budget.draft_depth(max(p[0] for p in plans)))
+            before_list = before.tolist() if pairs is not None else [EMPTY] * b
+            successors = self._successors([[before_list[r], root_list[r], *c[:-1]] for r, c in enumerate(chains) if c])
+            plans = self.budget.plan(root_list, successors, chains, matches, before_list)
+            full = propose(self.matrix, roots, self.template, self.budget.draft_depth(max(p[0] for p in plans)),
+                           pairs, before)
         else:
             plans = [(n, cap)] * b
-            full = propose(self.matrix, roots, self.template) if self.template is not None else roots[:, None]
+            full = (propose(self.matrix, roots, self.template, pairs=pairs, before=before)
+                    if self.template is not None else roots[:, None])
         row_nodes = [p[0] for p in plans]
         tree, nodes = self._subtree(max(row_nodes))
         template_tokens = full[:, torch.cat([torch.zeros(1, dtype=torch.long), nodes])]
         batch = build_draft(template_tokens, tree, nodes, chains, matches, row_nodes, [p[1] for p in plans])
         return replace(batch, template_draft=full)
+
+    def _successors(self, walks: list[list[int]]) -> Callable[[int, int], Sequence[int]]:
+        """``successors(before, token)``: the candidates the proposer drafts after ``token`` (whose
+        previous token is ``before``), for the consecutive pairs of ``walks`` (each: the token before
+        a root, the root, then the branch tokens it can walk through), read in one gather (one
+        device sync at most)."""
+        pairs = sorted({(w[i - 1], w[i]) for w in walks for i in range(1, len(w))})
+        if not pairs:
+            return lambda before, token: {}[(before, token)]
+        prev = torch.tensor([p[0] for p in pairs], dtype=torch.long)
+        tok = torch.tensor([p[1] for p in pairs], dtype=torch.long)
+        ranks = torch.arange(self.matrix.k)[None, :]
+        table = self.matrix.table
+        if self.pairs is None:
+            rows = table[tok.to(table.device)].tolist()
+        elif table.device.type == "cpu":
+            rows = self.pairs.successors_host(table.numpy(), prev.numpy()[:, None], tok.numpy()[:, None],
+                                              ranks.numpy()).tolist()
+        else:
+            rows = self.pairs.successors(table, prev[:, None].to(table.device), tok[:, None].to(table.device),
+                                         ranks.to(table.device)).tolist()
+        found = dict(zip(pairs, rows))
+        return lambda before, token: found[(before, token)]
 
     def _subtree(self, n: int) -> tuple[CompiledTree, torch.Tensor]:
         """The first ``n`` nodes of the current order as a tree, and their full-template indices."""

@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
+
+if TYPE_CHECKING:
+    from tr_serve.tr.pair_table import PairTable
 
 EMPTY = -1  # "no candidate": drafts a node that can never be accepted, and is never an index
 
@@ -30,6 +35,19 @@ def last_occurrences(tokens: list[int]) -> list[int]:
     return sorted(last.values())
 
 
+def _winners(keys: list, tokens: list[int], prefer: list[bool] | None) -> dict:
+    """key -> the node whose logits it keeps, over the nodes whose token is real: the last one,
+    unless only an earlier one is ``prefer``-red (on an accepted path)."""
+    winner: dict = {}
+    for i, (key, t) in enumerate(zip(keys, tokens)):
+        if t < 0:
+            continue
+        j = winner.get(key)
+        if j is None or not (prefer is not None and prefer[j] and not prefer[i]):
+            winner[key] = i
+    return winner
+
+
 class AdjacencyMatrix:
     """``[vocab, k]`` int32 table of candidate next tokens, plus the set of rows changed since the
     last :meth:`take_dirty_rows` (what a replica pushes to the fleet)."""
@@ -42,14 +60,17 @@ class AdjacencyMatrix:
         self.table = torch.full((vocab_size, k), EMPTY, dtype=torch.int32, device=device)
         self._dirty = torch.zeros(vocab_size, dtype=torch.bool, device=device)
 
-    def recycle(self, tokens: torch.Tensor, logits: torch.Tensor, preferred: torch.Tensor | None = None) -> None:
+    def recycle(self, tokens: torch.Tensor, logits: torch.Tensor, preferred: torch.Tensor | None = None,
+                pairs: "PairTable | None" = None, before: torch.Tensor | None = None) -> None:
         """Overwrite the rows of ``tokens`` [n] with the top-k of their next-token ``logits`` [n, V].
 
         Tokens that are :data:`EMPTY` (tree nodes that drafted nothing) are skipped. When a token
         occurs at several nodes, a ``preferred`` one (bool [n]: a node on an accepted path, whose
         logits follow the real text) wins over the others, then the last occurrence: duplicates
         are dropped before the write, because an indexed write with repeated indices has no
-        defined winner on GPUs.
+        defined winner on GPUs. With ``pairs`` and ``before`` [n] (the token before each node,
+        -1 for none), the same top-k also becomes the rows of the pairs (before, token) in the
+        pair table, one winner per pair by the same rule.
         """
         # which node's logits each token keeps, decided on the host: a few dozen nodes per step, so
         # a dict walk beats the tensor version (a vocabulary-sized scatter and ~10 small ops; the
@@ -58,27 +79,35 @@ class AdjacencyMatrix:
         token_list = tokens.reshape(-1).tolist()
         logits = logits.reshape(len(token_list), -1)
         prefer = preferred.reshape(-1).tolist() if preferred is not None else None
-        winner: dict[int, int] = {}  # token -> the node whose logits it keeps
-        for i, t in enumerate(token_list):
-            if t < 0:
-                continue
-            j = winner.get(t)
-            if j is None or not (prefer is not None and prefer[j] and not prefer[i]):
-                winner[t] = i  # later wins, unless only the earlier one is preferred
+        winner = _winners(token_list, token_list, prefer)  # token -> the node whose logits it keeps
+        pair_winner: dict = {}
+        if pairs is not None and before is not None:
+            before_list = before.reshape(-1).tolist()
+            pair_winner = _winners(list(zip(before_list, token_list)), token_list, prefer)
+            pair_winner = {pair: i for pair, i in pair_winner.items() if pair[0] >= 0}  # no token before: no pair
         if not winner:
             return
         index = sorted(winner.values())
-        ids = torch.tensor([token_list[i] for i in index], dtype=torch.long, device=self.table.device)
+        pair_index = sorted(pair_winner.values())
+        ranked = sorted(set(index) | set(pair_index)) if pair_index else index
         # when most nodes are kept (plain and small steps, prompt seeding) every row is ranked in place
         # and the kept rows' ranks picked: cheaper than copying the kept rows' logits out first
         # (measured, 15 rows of 49152: a gather of 13 rows 0.20 ms, a top-k of 2 more rows 0.02 ms)
-        rows = torch.tensor(index, dtype=torch.long, device=logits.device)
-        if 4 * len(index) >= 3 * logits.shape[0]:
+        rows = torch.tensor(ranked, dtype=torch.long, device=logits.device)
+        if 4 * len(ranked) >= 3 * logits.shape[0]:
             top = top_k_indices(logits, self.k)[rows]
         else:
             top = top_k_indices(logits[rows], self.k)
-        self.table[ids] = top.to(device=self.table.device, dtype=torch.int32)
+        top = top.to(device=self.table.device, dtype=torch.int32)
+        at = {node: i for i, node in enumerate(ranked)}
+        ids = torch.tensor([token_list[i] for i in index], dtype=torch.long, device=self.table.device)
+        mine = top if ranked is index else top[torch.tensor([at[i] for i in index], dtype=torch.long)]
+        self.table[ids] = mine
         self._dirty[ids] = True
+        if pair_index:
+            picked = top[torch.tensor([at[i] for i in pair_index], dtype=torch.long)]
+            pairs.write(torch.tensor([before_list[i] for i in pair_index], dtype=torch.long),
+                        torch.tensor([token_list[i] for i in pair_index], dtype=torch.long), picked)
 
     @property
     def device(self) -> torch.device:
