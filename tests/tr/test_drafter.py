@@ -93,13 +93,31 @@ def test_the_fixed_hybrid_drafts_from_the_pair_table_and_stays_lossless(tokenize
     assert run(hybrid, PROMPT, 40) == plain
     assert hybrid.pairs.num_filled() > 0
     assert all(b is not None for b in befores) and int(befores[0][0]) == PROMPT[-1]  # the first root: the prompt's last token before it
-    # the paper's template and the cost-aware budget draft from the matrix alone, unless asked
-    for tree in ("2.2.2", "auto"):
-        assert Engine(loaded, EngineConfig(model="tiny", tree=tree, max_model_len=128)).pairs is None
-    opted = Engine(loaded, EngineConfig(model="tiny", tree="auto", max_model_len=128, pair_table=True))
+    # the paper's template drafts from the matrix alone, unless asked
+    assert Engine(loaded, EngineConfig(model="tiny", tree="2.2.2", max_model_len=128)).pairs is None
+    opted = Engine(loaded, EngineConfig(model="tiny", tree="2.2.2", max_model_len=128, pair_table=True))
     assert run(opted, PROMPT, 40) == plain and opted.pairs.num_filled() > 0
     off = Engine(loaded, EngineConfig(model="tiny", tree="2.2.2+ctx", max_model_len=128, pair_table=False))
     assert off.pairs is None and run(off, PROMPT, 40) == plain
+
+
+def test_auto_hangs_the_pair_tables_chain_where_the_context_has_no_match(tokenizer):
+    from tr_serve.tr.drafter import PAIR_CHAIN_MATCH
+
+    loaded = tiny_loaded(tokenizer, seed=3, init_range=0.1)
+    prompt = [5, 17, 230, 402, 9, 33, 71, 12]  # no repeated n-gram: the context index finds nothing at first
+    plain = run(Engine(loaded, EngineConfig(model="tiny", tree="none", max_model_len=128)), prompt, 40)
+    engine = Engine(loaded, EngineConfig(model="tiny", tree="auto", max_model_len=128))
+    assert engine.pairs is not None
+    engine.pairs.write(torch.tensor([prompt[-1]]), torch.tensor([plain[0]]), torch.tensor([[plain[1]] * 8]))
+    engine.pairs.write(torch.tensor([plain[0]]), torch.tensor([plain[1]]), torch.tensor([[plain[2]] * 8]))
+    plans = []
+    spy(engine.drafter.budget, "plan", lambda args, result: plans.append((list(args[2][0]), args[3][0])))
+    assert run(engine, prompt, 40) == plain
+    # the first step: the context has no match, the pair table holds two steps of the real text
+    chain, match = plans[0]
+    assert match == PAIR_CHAIN_MATCH and chain[:2] == [plain[1], plain[2]] and chain == plain[1 : 1 + len(chain)]
+    assert engine.drafter.budget.context_stats.trials[0].sum() > 0  # the chain's own acceptance was observed
 
 
 def test_pair_table_slots_must_be_a_power_of_two():

@@ -129,3 +129,16 @@ def test_clear_empties_the_table():
     pairs.write(torch.tensor([1]), torch.tensor([2]), torch.tensor([[7]]))
     pairs.clear()
     assert pairs.num_filled() == 0 and bool((pairs.rows == EMPTY).all())
+
+
+def test_chains_follow_stored_pairs_to_the_first_missing_one_on_host_and_device():
+    pairs = PairTable(V, 2, slots=1 << 8)
+    # (1, 2) -> 3, (2, 3) -> 4, (3, 4) not stored; (5, 6) -> 7, (6, 7) -> 6, (7, 6) -> 7: a loop
+    pairs.write(torch.tensor([1, 2, 5, 6, 7]), torch.tensor([2, 3, 6, 7, 6]),
+                torch.tensor([[3, 9], [4, 9], [7, 9], [6, 9], [7, 9]]))
+    before, roots = torch.tensor([1, 5, EMPTY, 8, 1]), torch.tensor([2, 6, 2, 2, 2])
+    lengths = [8, 5, 8, 8, 1]
+    want = [[3, 4], [7, 6, 7, 6, 7], [], [], [3]]  # no token before; an unseen pair; a cap of 1
+    assert pairs.chains(before, roots, lengths) == want
+    assert pairs._chains_device(before, roots, lengths) == want
+    assert pairs.chains(before, roots, [0] * 5) == [[]] * 5

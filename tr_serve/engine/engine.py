@@ -210,15 +210,14 @@ class Engine:
     @property
     def uses_pairs(self) -> bool:
         """Whether the drafts also come from the pair table (tr/pair_table.py). By default the
-        fixed hybrid templates' do (``<template>+ctx``: MAT 2.68 -> 2.89 for ``2.2.2+ctx``, 1.89 ->
-        1.93 for ``top8+ctx``, 13 dev questions); ``auto``'s do not (1.81 -> 1.80 and 1.77 -> 1.78 on 26:
-        it verifies a few shallow nodes on one stream, where the pairs add little, and its nodes
-        are a prefix of one order for every row, so it cannot follow a row's pair rows deeper);
-        a bare template's do not either, so that ``tr:2.2.2`` stays the paper's method."""
+        hybrids' do (``<template>+ctx``: MAT 2.68 -> 2.89 for ``2.2.2+ctx``, 1.89 -> 1.93 for
+        ``top8+ctx``, 13 dev questions; ``auto``: 1.75 -> 1.85 on 26, where a row with no context
+        match also gets the pair table's chain as its branch) and a bare template's do not, so that
+        ``tr:2.2.2`` stays the paper's method."""
         if not self.spec.uses_matrix:
             return False
         if self.config.pair_table is None:
-            return self.spec.context and not self.spec.auto_budget
+            return self.spec.context
         return self.config.pair_table
 
     def _first_token(self, req: Request, logits: torch.Tensor) -> int:

@@ -113,7 +113,9 @@ class ContextStats:
     counts of "the j-th retrieved token was the model's choice, given the ones before it were"
     (conditional, observed only when its parent's path was accepted, as for the template)."""
 
-    BUCKETS = (2, 3, 4, 6)  # match lengths 2, 3, 4-5, 6+ (a match of 1 token is the matrix's job)
+    # match lengths 2, 3, 4-5, 6+; 1 is the pair table's chain (PAIR_CHAIN_MATCH: the context index
+    # matches 2 tokens or more, so a branch of match length 1 is always one of those)
+    BUCKETS = (1, 2, 3, 4, 6)
 
     def __init__(self, max_tokens: int, decay: float = 0.995, prior: float = 0.5, prior_weight: float = 2.0):
         self.max_tokens = max_tokens

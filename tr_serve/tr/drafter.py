@@ -44,6 +44,7 @@ HYBRID_CONTEXT = ContextSettings(min_ngram=2, max_ngram=8, max_tokens=16)
 # Prompt lookup as vLLM's n-gram proposer is set up in its CPU examples: n-grams of 2-4, 4 drafts.
 PLD_CONTEXT = ContextSettings(min_ngram=2, max_ngram=4, max_tokens=4)
 
+PAIR_CHAIN_MATCH = 1  # the "match length" of a branch drafted from the pair table (ContextStats.BUCKETS)
 NODE_CANDIDATES = (0, 1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 80)
 CHAIN_CAPS = (0, 1, 2, 4, 8, 16)
 EXPLORE_EVERY = 16  # every 16th step verifies the runner-up plan, to keep its latency measured
@@ -115,6 +116,17 @@ class Drafter:
             for r, ctx in enumerate(contexts):
                 cap = self.context.max_tokens if room is None else min(self.context.max_tokens, room[r] - 1)
                 matches[r], chains[r] = ctx.lookup(cap)
+        if pairs is not None and self.budget is not None and self.context is not None:
+            # rows the context has no match for: the chain through the pair table's rows, priced
+            # by its own acceptance (ContextStats bucket of match length 1)
+            idle = [r for r in range(b) if not chains[r]]
+            if idle:
+                caps = [self.context.max_tokens if room is None else min(self.context.max_tokens, room[r] - 1)
+                        for r in idle]
+                found = pairs.chains(before[idle], roots[idle], caps)
+                for r, chain in zip(idle, found):
+                    if chain:
+                        chains[r], matches[r] = chain, PAIR_CHAIN_MATCH
         n = self.template.num_nodes if self.template is not None else 0
         cap = self.context.max_tokens if self.context is not None else 0
         if self.budget is not None:  # the plan first: the template is then drafted only as deep as it is used

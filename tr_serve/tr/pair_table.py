@@ -64,6 +64,50 @@ class PairTable:
         hit = (self.keys[slot] == key) & (before >= 0)
         return torch.where(hit, self.rows[slot, ranks], table[token, ranks])
 
+    def chains(self, before: torch.Tensor, roots: torch.Tensor, lengths: list[int]) -> list[list[int]]:
+        """Per row, the chain of top candidates through stored pairs only: after (before, root) the
+        pair's rank-0 token, then after (root, that token) its pair's, ... for at most lengths[r]
+        tokens, ending at the first pair the table does not hold (a row with no token before, -1,
+        gets none). The budget prices it as a context branch of its own kind."""
+        if self.device.type == "cpu":
+            return self._chains_host(before, roots, lengths)
+        return self._chains_device(before, roots, lengths)
+
+    def _chains_host(self, before: torch.Tensor, roots: torch.Tensor, lengths: list[int]) -> list[list[int]]:
+        """:meth:`chains` in numpy on a host table."""
+        out: list[list[int]] = [[] for _ in lengths]
+        keys, rows = self.keys.numpy(), self.rows.numpy()
+        prev, tok = before.numpy().astype(np.int64), roots.numpy().astype(np.int64)
+        room = np.asarray(lengths)
+        alive = (prev >= 0) & (room > 0)
+        for j in range(max(lengths, default=0)):
+            key, slot = self._keys_and_slots(np.maximum(prev, 0), tok)
+            alive &= (keys[slot] == key) & (room > j)
+            if not alive.any():
+                break
+            nxt = rows[slot, 0].astype(np.int64)
+            for r in np.flatnonzero(alive).tolist():
+                out[r].append(int(nxt[r]))
+            prev, tok = tok, nxt
+        return out
+
+    def _chains_device(self, before: torch.Tensor, roots: torch.Tensor, lengths: list[int]) -> list[list[int]]:
+        """:meth:`chains` with torch ops on the table's device (one host sync per token)."""
+        out: list[list[int]] = [[] for _ in lengths]
+        prev, tok = before.to(self.device), roots.to(self.device)
+        room = torch.tensor(lengths, device=self.device)
+        alive = (prev >= 0) & (room > 0)
+        for j in range(max(lengths, default=0)):
+            key, slot = self._keys_and_slots(prev.clamp(min=0), tok)
+            alive &= (self.keys[slot] == key) & (room > j)
+            if not bool(alive.any()):
+                break
+            nxt = self.rows[slot, 0].long()
+            for r in alive.nonzero().flatten().tolist():
+                out[r].append(int(nxt[r]))
+            prev, tok = tok, nxt
+        return out
+
     def write(self, before: torch.Tensor, token: torch.Tensor, top: torch.Tensor) -> None:
         """Store ``top`` [n, k] as the rows of the pairs (before [n], token [n]); all tokens are
         real (>= 0) and the pairs distinct. Pairs with no token before (-1) are skipped."""
