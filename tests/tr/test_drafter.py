@@ -107,7 +107,8 @@ def test_auto_hangs_the_pair_tables_chain_where_the_context_has_no_match(tokeniz
     loaded = tiny_loaded(tokenizer, seed=3, init_range=0.1)
     prompt = [5, 17, 230, 402, 9, 33, 71, 12]  # no repeated n-gram: the context index finds nothing at first
     plain = run(Engine(loaded, EngineConfig(model="tiny", tree="none", max_model_len=128)), prompt, 40)
-    engine = Engine(loaded, EngineConfig(model="tiny", tree="auto", max_model_len=128))
+    assert Engine(loaded, EngineConfig(model="tiny", tree="auto", max_model_len=128)).pairs is None  # opt-in
+    engine = Engine(loaded, EngineConfig(model="tiny", tree="auto", max_model_len=128, pair_table=True))
     assert engine.pairs is not None
     engine.pairs.write(torch.tensor([prompt[-1]]), torch.tensor([plain[0]]), torch.tensor([[plain[1]] * 8]))
     engine.pairs.write(torch.tensor([plain[0]]), torch.tensor([plain[1]]), torch.tensor([[plain[2]] * 8]))

@@ -35,8 +35,8 @@ class EngineConfig:
     # not (measured: MAT +0.09-0.10 for fixed trees, none for "auto"; Engine.seeds_prompts)
     prompt_seeding: bool | None = None
     # second-order rows keyed by (token before, token) beside the matrix (tr/pair_table.py): None =
-    # the hybrids (``<template>+ctx``, ``auto``) use them, a bare template (the paper's method) does
-    # not (Engine.uses_pairs); pair_table_slots: the table's size, a power of two
+    # the fixed hybrid templates (``<template>+ctx``) use them, ``auto`` and a bare template (the
+    # paper's method) do not (Engine.uses_pairs); pair_table_slots: the table's size, a power of two
     pair_table: bool | None = None
     pair_table_slots: int = DEFAULT_SLOTS
     max_prefill_tokens: int = 512  # prompt tokens per prefill step (chunked prefill)

@@ -210,14 +210,17 @@ class Engine:
     @property
     def uses_pairs(self) -> bool:
         """Whether the drafts also come from the pair table (tr/pair_table.py). By default the
-        hybrids' do (``<template>+ctx``: MAT 2.68 -> 2.89 for ``2.2.2+ctx``, 1.89 -> 1.93 for
-        ``top8+ctx``, 13 dev questions; ``auto``: 1.75 -> 1.85 on 26, where a row with no context
-        match also gets the pair table's chain as its branch) and a bare template's do not, so that
-        ``tr:2.2.2`` stays the paper's method."""
+        fixed hybrid templates' do (``<template>+ctx``: MAT 2.68 -> 2.89 for ``2.2.2+ctx``, 1.89 ->
+        1.93 for ``top8+ctx``, 13 dev questions); a bare template's do not, so that ``tr:2.2.2``
+        stays the paper's method; nor do ``auto``'s, where it is not a measured gain: with the
+        pair table's chain as the branch of rows with no context match, MAT 1.75 -> 1.85 on 26
+        questions after 13 warm-up ones, but 1.70 in ``tr-serve bench`` (one warm-up question)
+        against 1.72-1.76 without it, 1.44x baseline against 1.46-1.51x (``pair_table: true``
+        turns it on)."""
         if not self.spec.uses_matrix:
             return False
         if self.config.pair_table is None:
-            return self.spec.context
+            return self.spec.context and not self.spec.auto_budget
         return self.config.pair_table
 
     def _first_token(self, req: Request, logits: torch.Tensor) -> int:
