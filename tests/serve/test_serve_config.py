@@ -58,6 +58,7 @@ def test_llama70b_yaml_builds_an_8_gpu_tensor_parallel_replica():
     ({"engine_kwargs": {"tree": "no-such-tree"}}, "tree"),
     ({"engine_kwargs": {"device": "gpu"}}, "device"),
     ({"engine_kwargs": {"dtype": "int3"}}, "dtype"),
+    ({"engine_kwargs": {"pair_table_slots": 1000}}, "pair_table_slots must be a power of two"),
     ({"engine_kwargs": {"tre": "top4"}}, "engine_kwargs.tre: unknown key"),
     ({"engine_kwargs": {"model": "x"}}, "engine_kwargs: `model` is set at the top level"),
     ({"tree": "top4"}, "tree: unknown key"),  # engine settings live in engine_kwargs
