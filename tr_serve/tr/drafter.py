@@ -7,6 +7,10 @@
   (tr/budget.py); a row with nothing promising runs a plain one-token step beside rows that
   verify trees
 * ``pld``: the context branch alone (prompt lookup decoding through the same runner)
+
+With a pair table (tr/pair_table.py; the fixed hybrids by default) the template is drafted from
+rows keyed by (token before, token) where the table holds them, and under ``auto`` a row with no
+context match gets the pair table's chain as its branch.
 """
 
 from __future__ import annotations

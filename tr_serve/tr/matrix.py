@@ -2,12 +2,9 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
-
-if TYPE_CHECKING:
-    from tr_serve.tr.pair_table import PairTable
 
 EMPTY = -1  # "no candidate": drafts a node that can never be accepted, and is never an index
 
@@ -33,6 +30,14 @@ def last_occurrences(tokens: list[int]) -> list[int]:
     prompt seeding runs the LM head over these alone (about 57% of a Spec-Bench prompt)."""
     last = {t: i for i, t in enumerate(tokens)}
     return sorted(last.values())
+
+
+class PairRows(Protocol):
+    """Where :meth:`AdjacencyMatrix.recycle` also writes rows keyed by (token before, token): the
+    pair table (tr/pair_table.py, which imports this module)."""
+
+    def write(self, before: torch.Tensor, token: torch.Tensor, top: torch.Tensor) -> None:
+        ...
 
 
 def _winners(keys: list, tokens: list[int], prefer: list[bool] | None) -> dict:
@@ -61,7 +66,7 @@ class AdjacencyMatrix:
         self._dirty = torch.zeros(vocab_size, dtype=torch.bool, device=device)
 
     def recycle(self, tokens: torch.Tensor, logits: torch.Tensor, preferred: torch.Tensor | None = None,
-                pairs: "PairTable | None" = None, before: torch.Tensor | None = None) -> None:
+                pairs: PairRows | None = None, before: torch.Tensor | None = None) -> None:
         """Overwrite the rows of ``tokens`` [n] with the top-k of their next-token ``logits`` [n, V].
 
         Tokens that are :data:`EMPTY` (tree nodes that drafted nothing) are skipped. When a token
