@@ -276,7 +276,7 @@ class Engine:
                     on_path[i, nodes.numpy()] = True
                 on_path = torch.from_numpy(on_path)
                 real = draft.real_nodes() if logits.dim() == 2 else None  # packed logits: real nodes only
-                before = draft.tokens_before(torch.tensor([r.token_before_last for r in batch])) if self.pairs is not None else None
+                before = draft.tokens_before() if draft.before_roots is not None else None
                 if real is None:
                     self.matrix.recycle(draft.tokens, logits, preferred=on_path, pairs=self.pairs, before=before)
                 else:

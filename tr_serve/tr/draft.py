@@ -45,6 +45,7 @@ class DraftBatch:
     max_depth: int
     lengths: torch.Tensor | None = None
     template_draft: torch.Tensor | None = None  # [b, N+1] the template drafted (acceptance statistics; EMPTY below what was verified)
+    before_roots: torch.Tensor | None = None  # [b] the token before each root, where a pair table drafted (-1: none)
 
     @property
     def num_nodes(self) -> int:
@@ -73,11 +74,11 @@ class DraftBatch:
             return None
         return torch.arange(self.tokens.shape[1])[None, :] < self.lengths[:, None]
 
-    def tokens_before(self, before_roots: torch.Tensor) -> torch.Tensor:
-        """[b, q] the token before each node: its parent's, ``before_roots`` [b] for the roots
+    def tokens_before(self) -> torch.Tensor:
+        """[b, q] the token before each node: its parent's, :attr:`before_roots` for the roots
         (the pair table's keys, with :attr:`tokens`)."""
         out = self.tokens.gather(1, self.parents.clamp(min=0))
-        out[:, 0] = before_roots
+        out[:, 0] = self.before_roots
         return out
 
     def row_depths(self) -> torch.Tensor:

@@ -148,7 +148,7 @@ class Drafter:
         tree, nodes = self._subtree(max(row_nodes))
         template_tokens = full[:, torch.cat([torch.zeros(1, dtype=torch.long), nodes])]
         batch = build_draft(template_tokens, tree, nodes, chains, matches, row_nodes, [p[1] for p in plans])
-        return replace(batch, template_draft=full)
+        return replace(batch, template_draft=full, before_roots=before if pairs is not None else None)
 
     def _successors(self, walks: list[list[int]]) -> Callable[[int, int], Sequence[int]]:
         """``successors(before, token)``: the candidates the proposer drafts after ``token`` (whose
