@@ -2,25 +2,15 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
+from test_matrix import V, logits_ranking
 
 from tr_serve.tr.matrix import EMPTY, AdjacencyMatrix
 from tr_serve.tr.pair_table import PairTable
 from tr_serve.tr.proposer import _propose_device, _propose_host, propose
 from tr_serve.tr.tree import DEFAULT_TREE, compile_tree
-
-V = 10
-# node 1 = (0), 2 = (1), 3 = (0,0), 4 = (0,1), 5 = (0,0,0)
-SMALL = compile_tree([[0], [1], [0, 0], [0, 1], [0, 0, 0]])
-
-
-def ranking(order: list[int]) -> torch.Tensor:
-    """Logits [V] whose descending order starts with ``order``."""
-    x = torch.full((V,), -100.0)
-    for rank, tok in enumerate(order):
-        x[tok] = 10.0 - rank
-    return x
 
 
 def test_slots_must_be_a_power_of_two():
@@ -34,8 +24,6 @@ def test_a_stored_pair_drafts_its_row_and_an_unseen_pair_the_tokens_row():
     m.table[3] = torch.tensor([1, 2], dtype=torch.int32)
     pairs.write(torch.tensor([7]), torch.tensor([3]), torch.tensor([[8, 9]]))
     table = m.table.numpy()
-    import numpy as np
-
     got = pairs.successors_host(table, np.array([[7], [6], [EMPTY]]), np.array([[3], [3], [3]]), np.array([[0, 1]]))
     assert got.tolist() == [[8, 9], [1, 2], [1, 2]]  # the pair; an unseen pair; no token before
     dev = pairs.successors(m.table, torch.tensor([[7], [6], [EMPTY]]), torch.tensor([[3], [3], [3]]),
@@ -49,8 +37,6 @@ def test_a_pair_that_lost_its_slot_falls_back_to_the_matrix():
     m.table[:] = 5
     pairs.write(torch.tensor([1]), torch.tensor([2]), torch.tensor([[7]]))
     pairs.write(torch.tensor([3]), torch.tensor([4]), torch.tensor([[8]]))
-    import numpy as np
-
     got = pairs.successors_host(m.table.numpy(), np.array([1, 3]), np.array([2, 4]), np.array([0, 0]))
     assert got.tolist() == [5, 8]
     assert pairs.num_filled() == 1
@@ -112,12 +98,10 @@ def test_recycle_writes_each_pairs_row_with_the_preferred_node_winning():
     pairs = PairTable(V, 2, slots=1 << 8)
     tokens = torch.tensor([4, 4, 4, 6])
     before = torch.tensor([1, 2, 2, EMPTY])  # nodes 1 and 2 are one pair; node 3 has no pair
-    logits = torch.stack([ranking([0, 1]), ranking([2, 3]), ranking([5, 6]), ranking([8, 9])])
+    logits = torch.stack([logits_ranking([0, 1]), logits_ranking([2, 3]), logits_ranking([5, 6]), logits_ranking([8, 9])])
     m.recycle(tokens, logits, preferred=torch.tensor([False, True, False, False]), pairs=pairs, before=before)
     assert m.table[4].tolist() == [2, 3]  # the matrix: the preferred occurrence of token 4
     assert m.table[6].tolist() == [8, 9]
-    import numpy as np
-
     got = pairs.successors_host(np.full((V, 2), EMPTY, dtype=np.int32), np.array([[1], [2], [3]]),
                                 np.array([[4], [4], [4]]), np.array([[0, 1]]))
     assert got.tolist() == [[0, 1], [2, 3], [EMPTY, EMPTY]]  # pair (2, 4): the preferred node 1

@@ -177,15 +177,13 @@ class Engine:
             req.num_prefilled += len(chunk)
             if self.spec.uses_matrix:
                 with self.timer.phase("recycle"):
-                    # the token before each prompt position: the pair table's key
-                    before = [req.prompt_ids[start + j - 1] if start + j > 0 else EMPTY for j in range(len(chunk))]
                     if seeding:
                         keep = seeds[i]
                         self.matrix.recycle(torch.tensor(chunk)[keep], seed_logits[i], pairs=self.pairs,
-                                            before=torch.tensor(before)[keep])
+                                            before=self._prompt_tokens_before(req, start, keep))
                     elif req.num_prefilled == len(req.prompt_ids):
                         self.matrix.recycle(torch.tensor(chunk[-1:]), last_logits[i : i + 1], pairs=self.pairs,
-                                            before=torch.tensor(before[-1:]))
+                                            before=self._prompt_tokens_before(req, start, [len(chunk) - 1]))
             if req.num_prefilled == len(req.prompt_ids):
                 done.append((req, last_logits[i]))
         with self.timer.phase("postprocess"):
@@ -193,6 +191,13 @@ class Engine:
                 self.scheduler.start_decoding(req)
                 append_token(req, self._first_token(req, logits), self.eos_ids, self._context_full(req))
         return batch
+
+    def _prompt_tokens_before(self, req: Request, start: int, positions: list[int]) -> torch.Tensor | None:
+        """The token before each of ``positions`` of the prompt chunk starting at ``start`` (-1 at
+        the prompt's first token): the pair table's keys; None without a pair table."""
+        if self.pairs is None:
+            return None
+        return torch.tensor([req.prompt_ids[start + j - 1] if start + j > 0 else EMPTY for j in positions])
 
     @property
     def seeds_prompts(self) -> bool:
