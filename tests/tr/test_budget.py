@@ -263,3 +263,32 @@ def test_an_overpromising_budget_learns_to_draft_less():
     assert budget.calibration.scale < 0.5
     assert budget.plan([0], successors, [[]], [0]) == [(0, 0)]
 
+
+
+def test_branch_outcomes_observe_the_first_token_past_the_cap():
+    """A branch cut by its cap still reveals whether its next token was right (the model's token
+    after the last verified one), so estimates of tokens the budget stopped drafting keep learning."""
+    from tr_serve.tr.budget import branch_outcomes
+    from tr_serve.tr.draft import build_draft
+    from tr_serve.tr.matrix import EMPTY
+    from tr_serve.tr.verifier import accept_draft
+
+    tree = compile_tree([])  # no template nodes: the branches alone
+    roots = torch.tensor([[1], [1], [1], [1]])
+    chains = [[10, 11, 12], [20, 21], [30, 31], [40]]
+    batch = build_draft(roots, tree, torch.zeros(0, dtype=torch.long), chains=chains, match_lengths=[2, 3, 2, 4],
+                        row_nodes=[0, 0, 0, 0], caps=[1, 0, 1, 1])
+    assert batch.chain_next == (11, 20, 31, EMPTY)
+    # the model's token after each column: row 0 accepts 10 and would take 11 next; row 1 (a plain
+    # step) would have taken 20; row 2 rejects 30, so 31 is not observed; row 3 has nothing past its cap
+    choice = torch.tensor([[10, 11], [20, 0], [99, 0], [40, 5]])
+    acceptance = accept_draft(batch, choice)
+    assert branch_outcomes(batch, acceptance) == [
+        (2, [True, True], [True, True]),
+        (3, [True], [True]),
+        (2, [True, False], [False, False]),
+        (4, [True], [True]),
+    ]
+    # when the next token is wrong it counts as a miss
+    wrong = accept_draft(batch, torch.tensor([[10, 77], [21, 0], [99, 0], [40, 5]]))
+    assert branch_outcomes(batch, wrong)[:2] == [(2, [True, True], [True, False]), (3, [True], [False])]

@@ -28,6 +28,10 @@ class DraftBatch:
     template_nodes  [n] index in the full template of columns 1..n (the widest row's)
     row_nodes       per row, how many of those columns it verifies (a prefix: 1..row_nodes[r])
     chain_columns   per row, the column of each context-branch token (merged ones included)
+    chain_next      per row, the first retrieved token the row does not verify (EMPTY: none): its
+                    acceptance is still known when the branch's verified tokens all are (the
+                    model's token after the last of them), which keeps the estimates of branch
+                    tokens past the budget's cap learning
     match_lengths   per row, the n-gram match length that retrieved the branch (0: none)
     max_depth       the deepest node of any row
     lengths         [b] real inputs per row (root included; padding follows them), None when no
@@ -46,6 +50,7 @@ class DraftBatch:
     lengths: torch.Tensor | None = None
     template_draft: torch.Tensor | None = None  # [b, N+1] the template drafted (acceptance statistics; EMPTY below what was verified)
     before_roots: torch.Tensor | None = None  # [b] the token before each root, where a pair table drafted (-1: none)
+    chain_next: tuple[int, ...] | None = None
 
     @property
     def num_nodes(self) -> int:
@@ -110,6 +115,7 @@ def build_draft(template_tokens: torch.Tensor, tree: CompiledTree, template_node
     row_nodes = [n] * b if row_nodes is None else [min(int(k), n) for k in row_nodes]
     extras: list[tuple[int, list[int]]] = []  # (column the rest hangs under, the rest)
     chain_cols: list[tuple[int, ...]] = []
+    chain_next: list[int] = []
     host = template_tokens.cpu().numpy() if any(chains) else None  # one copy to the host, read by both walks
     rows_tokens = host.tolist() if host is not None else None
     for r, chain in enumerate(chains):
@@ -123,6 +129,8 @@ def build_draft(template_tokens: torch.Tensor, tree: CompiledTree, template_node
             cols.append(nxt)
         extras.append((node, rest))
         chain_cols.append(tuple(cols))
+        drafted = len(cols) + len(rest)
+        chain_next.append(int(chain[drafted]) if drafted < len(chain) else EMPTY)
     lengths = [1 + row_nodes[r] + len(extras[r][1]) for r in range(b)]
     q = max(lengths)
     parents_1d = tree.parents.clamp(min=0)
@@ -130,7 +138,7 @@ def build_draft(template_tokens: torch.Tensor, tree: CompiledTree, template_node
     if all(k == n and not rest for k, (_, rest) in zip(row_nodes, extras)):  # every row: the whole tree, nothing else
         return DraftBatch(template_tokens, parents_1d[None].expand(b, width).clone(), tree.depths, tree.mask,
                           template_nodes, tuple(row_nodes), tuple(chain_cols), tuple(match_lengths),
-                          tree.max_depth)
+                          tree.max_depth, chain_next=tuple(chain_next))
     # the template columns of every row at once (a prefix of the tree, cut to the row's w = row_nodes + 1),
     # in numpy: a step builds a few [b, q] tables and each torch call on them costs several microseconds
     drafted = host if host is not None else template_tokens.cpu().numpy()
@@ -170,4 +178,4 @@ def build_draft(template_tokens: torch.Tensor, tree: CompiledTree, template_node
     packed = torch.from_numpy(length_a) if bool((length_a < q).any()) else None
     tokens, parents, depths, mask = (torch.from_numpy(a) for a in (tokens, parents, depths, mask))
     return DraftBatch(tokens, parents, depths, mask, template_nodes, tuple(row_nodes), tuple(chain_cols),
-                      tuple(match_lengths), max_depth, lengths=packed)
+                      tuple(match_lengths), max_depth, lengths=packed, chain_next=tuple(chain_next))
