@@ -254,7 +254,7 @@ def test_an_overpromising_budget_learns_to_draft_less():
     # 1.5 plain ones: worth it at face value, not once verification keeps accepting nothing
     latency = StepLatency(LatencyTable((1, 3), (1.0, 1.5)))
     budget = _budget(latency)
-    budget.acceptance.hits[:] = torch.tensor([0.9, 0.9]) * budget.acceptance.trials
+    budget.branchless.hits[:] = torch.tensor([0.9, 0.9]) * budget.branchless.trials  # the row has no branch
     successors = lambda before, token: [1]  # noqa: E731
     assert budget.plan([0], successors, [[]], [0]) == [(2, 0)]
     for _ in range(300):
@@ -292,3 +292,37 @@ def test_branch_outcomes_observe_the_first_token_past_the_cap():
     # when the next token is wrong it counts as a miss
     wrong = accept_draft(batch, torch.tensor([[10, 77], [21, 0], [99, 0], [40, 5]]))
     assert branch_outcomes(batch, wrong)[:2] == [(2, [True, True], [True, False]), (3, [True], [False])]
+
+
+def test_rows_without_a_branch_are_priced_by_their_own_estimates():
+    """Text with no context match is harder to predict: the budget keeps the template's acceptance
+    of those rows apart, learns it from them alone, and prices their nodes by it."""
+    from tr_serve.tr.draft import build_draft
+    from tr_serve.tr.verifier import accept_draft
+
+    from tr_serve.tr.budget import TreeBudget
+
+    latency = StepLatency(LatencyTable((1, 3), (1.0, 1.5)))
+    budget = TreeBudget(compile_tree([[0], [0, 0]]), latency, context_tokens=4, node_candidates=(0, 1, 2),
+                        chain_caps=(0, 1), explore_every=1000)
+    budget.acceptance.hits[:] = torch.tensor([0.9, 0.9]) * budget.acceptance.trials
+    budget.branchless.hits[:] = torch.tensor([0.05, 0.05]) * budget.branchless.trials
+    successors = lambda before, token: [1, 2]  # noqa: E731
+    # a row with a branch (whose one token the template does not hold) buys the template's nodes;
+    # a row without one does not
+    with_branch, alone = budget.plan([0, 0], successors, [[7], []], [2, 0])
+    assert with_branch[0] == 2 and alone == (0, 0)
+    budget.branchless.hits[:] = torch.tensor([0.9, 0.9]) * budget.branchless.trials
+    budget.branchless._rates = None
+    assert budget.plan([0, 0], successors, [[7], []], [2, 0])[1] == (2, 0)
+    # one step in which both rows verified the first node and its child, and the model chose them:
+    # only the row without a branch updates the branchless estimates
+    tree = budget.template
+    draft = torch.tensor([[0, 1, 1], [0, 1, 1]])
+    batch = build_draft(draft, tree, torch.arange(1, 3), chains=[[7], []], match_lengths=[2, 0], row_nodes=[2, 2])
+    from dataclasses import replace
+    batch = replace(batch, template_draft=draft)
+    before_all, before_alone = budget.acceptance.trials.clone(), budget.branchless.trials.clone()
+    budget.observe(batch, accept_draft(batch, torch.tensor([[1, 1, 5, 0], [1, 1, 5, 0]])), None)
+    assert torch.allclose(budget.acceptance.trials, before_all * budget.acceptance.decay + 2)
+    assert torch.allclose(budget.branchless.trials, before_alone * budget.branchless.decay + 1)

@@ -281,14 +281,16 @@ def _price_picks(frontier: list[tuple[float, int, int, int]]) -> list[tuple[floa
 
 
 def plan_gain(template_rates: list[float], chains: list[tuple[list[int], list[float]]],
-              plan: list[tuple[int, int]]) -> float:
+              plan: list[tuple[int, int]], branchless_rates: list[float] | None = None) -> float:
     """Expected accepted drafts of ``plan`` (per row (template nodes n, branch cap L), as
-    :func:`choose_plan` returns it) under the same rates: the first ``n`` template nodes' path rates,
-    plus the rates of the branch tokens past the ones that merge into those nodes, at most L."""
+    :func:`choose_plan` returns it) under the same rates: the first ``n`` template nodes' path rates
+    (``branchless_rates`` for a row without a branch, as in :func:`choose_plan`), plus the rates of
+    the branch tokens past the ones that merge into those nodes, at most L."""
     cum_t = _cumulative(template_rates)
+    cum_b = cum_t if branchless_rates is None else _cumulative(branchless_rates)
     gain = 0.0
     for (n, cap), (merge_pos, rates) in zip(plan, chains):
-        gain += cum_t[n]
+        gain += cum_t[n] if rates else cum_b[n]
         if rates:
             merged = sum(1 for pos in merge_pos if pos < n)  # positions rise along the branch
             gain += sum(rates[merged : merged + cap])
@@ -330,11 +332,12 @@ _PRICES = (0.0, 0.002, 0.005, 0.01, 0.02, 0.035, 0.05, 0.075, 0.1, 0.15, 0.2, 0.
 
 def choose_plan(template_rates: list[float], chains: list[tuple[list[int], list[float]]], latency: StepLatency,
                 node_candidates: tuple[int, ...], chain_caps: tuple[int, ...],
-                explore: bool = False) -> list[tuple[int, int]]:
+                explore: bool = False, branchless_rates: list[float] | None = None) -> list[tuple[int, int]]:
     """Per row, (template nodes n, context-branch cap L), for the most expected tokens per second.
 
     template_rates: path rates of the template nodes in the order they are added (a row verifies
-    the first n). chains[r]: (for each retrieved token of row r, the position in that order of the
+    the first n); branchless_rates: the same for rows without a branch, when they are estimated
+    apart (default: template_rates). chains[r]: (for each retrieved token of row r, the position in that order of the
     template node it merges into, or a large number; the token's path rate); empty lists for a row
     without a branch. The first tokens that merge into the row's verified template nodes cost
     nothing; the rest, at most L of them, are extra nodes of that row.
@@ -349,7 +352,8 @@ def choose_plan(template_rates: list[float], chains: list[tuple[list[int], list[
     if rows == 0:
         return []
     cum_t = _cumulative(template_rates)
-    plain_frontier = _frontier([(cum_t[n], n, n, 0) for n in node_candidates])
+    cum_b = cum_t if branchless_rates is None else _cumulative(branchless_rates)
+    plain_frontier = _frontier([(cum_b[n], n, n, 0) for n in node_candidates])
     frontiers: list[list[tuple[float, int, int, int]]] = []
     candidates, caps = sorted(node_candidates), sorted(chain_caps)
     for merge_pos, rates in chains:
@@ -417,7 +421,11 @@ class TreeBudget:
         n = template.num_nodes
         self.template = template
         self.latency = latency
-        self.acceptance = AcceptanceStats(template)
+        self.acceptance = AcceptanceStats(template)  # every row's: the order, and the rows with a branch
+        # rows with no context branch apart: their text is harder to predict (measured at 4 rows on the
+        # dev questions: the first node right 0.12-0.13 of the time there, estimated at 0.16 over all rows),
+        # so pricing them with every row's rates bought nodes that did not pay
+        self.branchless = AcceptanceStats(template)
         self.context_stats = ContextStats(context_tokens) if context_tokens else None
         self.node_candidates = tuple(sorted({c for c in node_candidates if c < n} | {n}))
         self.chain_caps = chain_caps if self.context_stats is not None else (0,)
@@ -445,6 +453,8 @@ class TreeBudget:
             self.reorder(rates)
         position = self._position
         order_rates = [rates[node - 1] for node in self.order]
+        alone = self.branchless.rate_list()
+        branchless_rates = [alone[node - 1] for node in self.order]
         scale = self.calibration.scale
         chain_info = []
         children, ranks = self.template.children, self._ranks
@@ -463,8 +473,8 @@ class TreeBudget:
         explore = self.steps % self.explore_every == 0
         scaled = [(m, [p * scale for p in r]) for m, r in chain_info]
         plans = choose_plan([p * scale for p in order_rates], scaled, self.latency, self.node_candidates,
-                            self.chain_caps, explore)
-        self._expected = plan_gain(order_rates, chain_info, plans)
+                            self.chain_caps, explore, [p * scale for p in branchless_rates])
+        self._expected = plan_gain(order_rates, chain_info, plans, branchless_rates)
         return plans
 
     def reorder(self, rates: list[float]) -> None:
@@ -498,6 +508,9 @@ class TreeBudget:
             self.calibration.observe(self._expected, sum(acceptance.num_accepted_drafts))
             self._expected = None
         observe_template(self.acceptance, batch, acceptance)
+        branchless = [r for r, m in enumerate(batch.match_lengths) if m == 0]
+        if branchless:
+            observe_template(self.branchless, batch, acceptance, branchless)
         if self.context_stats is not None:
             self.context_stats.update(branch_outcomes(batch, acceptance))
 
@@ -532,9 +545,10 @@ def branch_outcomes(batch: "DraftBatch", acceptance: "Acceptance") -> list[tuple
     return outcomes
 
 
-def observe_template(stats: AcceptanceStats, batch: "DraftBatch", acceptance: "Acceptance") -> None:
-    """Update per-node acceptance estimates from one step: the nodes each row verified (a prefix
-    of the batch's template columns) and the model's choices after them."""
+def observe_template(stats: AcceptanceStats, batch: "DraftBatch", acceptance: "Acceptance",
+                     only: list[int] | None = None) -> None:
+    """Update per-node acceptance estimates from one step: the nodes each row (or each row of
+    ``only``) verified (a prefix of the batch's template columns) and the model's choices after them."""
     rows = batch.tokens.shape[0]
     n_full = stats.tree.num_nodes
     cols = np.concatenate([[0], batch.template_nodes.numpy()])
@@ -542,4 +556,7 @@ def observe_template(stats: AcceptanceStats, batch: "DraftBatch", acceptance: "A
     choice[:, cols] = acceptance.choices[:, : len(cols)].cpu().numpy()
     verified = np.zeros((rows, n_full + 1), dtype=bool)
     verified[:, cols] = np.arange(len(cols))[None, :] <= np.asarray(batch.row_nodes)[:, None]
-    stats.update(batch.template_draft, torch.from_numpy(choice), torch.from_numpy(verified))
+    draft = batch.template_draft
+    if only is not None:
+        draft, choice, verified = draft[only], choice[only], verified[only]
+    stats.update(draft, torch.from_numpy(choice), torch.from_numpy(verified))
