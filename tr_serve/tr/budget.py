@@ -523,8 +523,7 @@ def branch_outcomes(batch: "DraftBatch", acceptance: "Acceptance") -> list[tuple
     Why the one past the cap: the budget drafts a branch token only when its estimate pays, so an
     estimate learned from verified tokens alone cannot recover once it is low. Measured at 8
     concurrent rows on the dev questions: offsets 2-4 of 2-token matches were estimated at 0.03-0.12
-    (path rates) while 0.15-0.30 of them were right, the budget stopped drafting them, and ``pld``
-    (which always drafts 4) led ``tr:auto`` at 4 and 8 clients."""
+    (path rates) while 0.15-0.30 of them were right, and the budget had stopped drafting them."""
     nexts = batch.chain_next or ()
     rows = [r for r, cols in enumerate(batch.chain_columns) if cols or (r < len(nexts) and nexts[r] != EMPTY)]
     if not rows:
