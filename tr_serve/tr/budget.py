@@ -507,10 +507,11 @@ class TreeBudget:
         if self._expected is not None:
             self.calibration.observe(self._expected, sum(acceptance.num_accepted_drafts))
             self._expected = None
-        observe_template(self.acceptance, batch, acceptance)
+        draft, choice, verified = template_outcomes(batch, acceptance)
+        self.acceptance.update(draft, choice, verified)
         branchless = [r for r, m in enumerate(batch.match_lengths) if m == 0]
         if branchless:
-            observe_template(self.branchless, batch, acceptance, branchless)
+            self.branchless.update(draft[branchless], choice[branchless], verified[branchless])
         if self.context_stats is not None:
             self.context_stats.update(branch_outcomes(batch, acceptance))
 
@@ -524,8 +525,8 @@ def branch_outcomes(batch: "DraftBatch", acceptance: "Acceptance") -> list[tuple
     estimate learned from verified tokens alone cannot recover once it is low. Measured at 8
     concurrent rows on the dev questions: offsets 2-4 of 2-token matches were estimated at 0.03-0.12
     (path rates) while 0.15-0.30 of them were right, and the budget had stopped drafting them."""
-    nexts = batch.chain_next or ()
-    rows = [r for r, cols in enumerate(batch.chain_columns) if cols or (r < len(nexts) and nexts[r] != EMPTY)]
+    nexts = batch.chain_next
+    rows = [r for r, cols in enumerate(batch.chain_columns) if cols or nexts[r] != EMPTY]
     if not rows:
         return []
     ok = acceptance.accepted_mask.tolist()
@@ -536,7 +537,7 @@ def branch_outcomes(batch: "DraftBatch", acceptance: "Acceptance") -> list[tuple
         cols = batch.chain_columns[r]
         seen = [ok[r][parents[r][c]] for c in cols]
         right = [ok[r][c] for c in cols]
-        if r < len(nexts) and nexts[r] != EMPTY:
+        if nexts[r] != EMPTY:
             last = cols[-1] if cols else 0  # the root is always accepted
             seen.append(ok[r][last])
             right.append(ok[r][last] and choices[r][last] == nexts[r])
@@ -544,18 +545,20 @@ def branch_outcomes(batch: "DraftBatch", acceptance: "Acceptance") -> list[tuple
     return outcomes
 
 
-def observe_template(stats: AcceptanceStats, batch: "DraftBatch", acceptance: "Acceptance",
-                     only: list[int] | None = None) -> None:
-    """Update per-node acceptance estimates from one step: the nodes each row (or each row of
-    ``only``) verified (a prefix of the batch's template columns) and the model's choices after them."""
+def template_outcomes(batch: "DraftBatch", acceptance: "Acceptance") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """What :meth:`AcceptanceStats.update` reads from one step: the template drafted [b, N+1], the
+    model's choice after every template node [b, N+1] and which nodes each row verified (a prefix
+    of the batch's template columns) [b, N+1]."""
     rows = batch.tokens.shape[0]
-    n_full = stats.tree.num_nodes
+    n_full = batch.template_draft.shape[1] - 1
     cols = np.concatenate([[0], batch.template_nodes.numpy()])
     choice = np.zeros((rows, n_full + 1), dtype=np.int64)
     choice[:, cols] = acceptance.choices[:, : len(cols)].cpu().numpy()
     verified = np.zeros((rows, n_full + 1), dtype=bool)
     verified[:, cols] = np.arange(len(cols))[None, :] <= np.asarray(batch.row_nodes)[:, None]
-    draft = batch.template_draft
-    if only is not None:
-        draft, choice, verified = draft[only], choice[only], verified[only]
-    stats.update(draft, torch.from_numpy(choice), torch.from_numpy(verified))
+    return batch.template_draft, torch.from_numpy(choice), torch.from_numpy(verified)
+
+
+def observe_template(stats: AcceptanceStats, batch: "DraftBatch", acceptance: "Acceptance") -> None:
+    """Update per-node acceptance estimates from one step (:func:`template_outcomes`)."""
+    stats.update(*template_outcomes(batch, acceptance))

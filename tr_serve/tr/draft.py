@@ -50,7 +50,7 @@ class DraftBatch:
     lengths: torch.Tensor | None = None
     template_draft: torch.Tensor | None = None  # [b, N+1] the template drafted (acceptance statistics; EMPTY below what was verified)
     before_roots: torch.Tensor | None = None  # [b] the token before each root, where a pair table drafted (-1: none)
-    chain_next: tuple[int, ...] | None = None
+    chain_next: tuple[int, ...] = ()  # per row (build_draft always sets it)
 
     @property
     def num_nodes(self) -> int:
