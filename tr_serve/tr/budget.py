@@ -337,9 +337,9 @@ def choose_plan(template_rates: list[float], chains: list[tuple[list[int], list[
 
     template_rates: path rates of the template nodes in the order they are added (a row verifies
     the first n); branchless_rates: the same for rows without a branch, when they are estimated
-    apart (default: template_rates). chains[r]: (for each retrieved token of row r, the position in that order of the
-    template node it merges into, or a large number; the token's path rate); empty lists for a row
-    without a branch. The first tokens that merge into the row's verified template nodes cost
+    apart (default: template_rates). chains[r]: (for each retrieved token of row r, the position
+    in that order of the template node it merges into, or a large number; the token's path rate);
+    empty lists for a row without a branch. The first tokens that merge into the row's verified template nodes cost
     nothing; the rest, at most L of them, are extra nodes of that row.
 
     The step costs one forward over the sum of the rows' tokens (the runner packs rows for the
@@ -526,7 +526,7 @@ def branch_outcomes(batch: "DraftBatch", acceptance: "Acceptance") -> list[tuple
     concurrent rows on the dev questions: offsets 2-4 of 2-token matches were estimated at 0.03-0.12
     (path rates) while 0.15-0.30 of them were right, and the budget had stopped drafting them."""
     nexts = batch.chain_next
-    rows = [r for r, cols in enumerate(batch.chain_columns) if cols or nexts[r] != EMPTY]
+    rows = [r for r, m in enumerate(batch.match_lengths) if m > 0]  # a match always retrieves a token
     if not rows:
         return []
     ok = acceptance.accepted_mask.tolist()
