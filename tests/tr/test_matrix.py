@@ -184,3 +184,28 @@ def test_top_k_indices_equals_torch_topk():
     odd = torch.randn(2, 1000, generator=g)  # does not split into blocks: torch's own
     assert torch.equal(top_k_indices(odd, 8), torch.topk(odd, 8, dim=-1).indices)
     assert torch.equal(top_k_indices(logits[:, :512], 8), torch.topk(logits[:, :512], 8, dim=-1).indices)
+
+
+def test_recycle_with_the_callers_top_k_writes_what_it_computes_itself():
+    """The engine hands recycle the top-k it already has (runner/top_k.py): the same rows, the same
+    winners (preferred nodes, repeated tokens, the pair table's keys) as ranking the logits here."""
+    from tr_serve.tr.pair_table import PairTable
+
+    g = torch.Generator().manual_seed(5)
+    tokens = torch.tensor([4, 7, 4, EMPTY, 9, 7, 2])
+    logits = torch.randn(7, 64, generator=g)
+    preferred = torch.tensor([True, False, False, False, True, False, False])
+    before = torch.tensor([-1, 4, 7, 4, 4, 9, 7])
+    top = torch.topk(logits, 4, dim=-1).indices
+    tables = []
+    for given in (None, top):
+        m, pairs = AdjacencyMatrix(vocab_size=64, k=4), PairTable(64, 4, 32)
+        m.recycle(tokens, logits, preferred=preferred, pairs=pairs, before=before, top=given)
+        tables.append((m.table.clone(), pairs.successors(m.table, torch.tensor([[4], [7], [9]]),
+                                                        torch.tensor([[7], [4], [7]]), torch.arange(4)[None])))
+    assert torch.equal(tables[0][0], tables[1][0]) and torch.equal(tables[0][1], tables[1][1])
+    assert tables[0][0][4].tolist() == top[0].tolist()  # the preferred occurrence of token 4
+    # and it is the given top-k that is written: the caller's ranking, not one computed here
+    m = AdjacencyMatrix(vocab_size=64, k=4)
+    m.recycle(tokens, logits, preferred=preferred, top=top.flip(-1))
+    assert m.table[4].tolist() == top[0].flip(-1).tolist() and m.table[2].tolist() == top[6].flip(-1).tolist()

@@ -166,3 +166,20 @@ def test_packed_logits_give_the_same_acceptance_as_padded():
         for a, b in zip(padded.accepted_nodes + padded.emitted, packed.accepted_nodes + packed.emitted):
             assert torch.equal(a, b)
     assert max(len(n) for n in padded.accepted_nodes) > 1  # some drafts were accepted
+
+
+def test_a_given_argmax_is_used_as_the_models_choices():
+    """verify_batch takes the argmax the engine already has (runner/top_k.py) in place of its own:
+    the same outcome when it is the argmax, and it is what decides (a different one changes it)."""
+    from tr_serve.tr.draft import build_draft
+    from tr_serve.tr.verifier import verify_batch
+
+    batch = build_draft(torch.tensor([DRAFT, DRAFT]), SMALL, torch.arange(1, SMALL.num_nodes + 1), row_nodes=[5, 2])
+    choices = [[2, 4, 0, 6, 0, 9], [3, 0, 0, 0, 0, 0]]
+    logits = logits_for(choices)[batch.real_nodes()]  # packed, as the runner returns rows of two widths
+    own = verify_batch(batch, logits, [None, None])
+    given = verify_batch(batch, logits, [None, None], logits.argmax(dim=-1))
+    assert [e.tolist() for e in own.emitted] == [e.tolist() for e in given.emitted] == [[2, 4, 6, 9], [3, 0]]
+    other = logits.argmax(dim=-1)
+    other[0] = 3  # the model's token after the root is now b's
+    assert [e.tolist() for e in verify_batch(batch, logits, [None, None], other).emitted] == [[3, 0], [3, 0]]

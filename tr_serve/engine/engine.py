@@ -26,6 +26,7 @@ from tr_serve.engine.timing import PhaseTimer
 from tr_serve.model_loader import LoadedModel
 from tr_serve.runner.cpu_kernels import select_plan
 from tr_serve.runner.model_runner import ModelRunner, rows_within_budget
+from tr_serve.runner.top_k import top_k_rows
 from tr_serve.sampling_params import SamplingParams
 from tr_serve.tr.argmax import argmax_rows
 from tr_serve.tr.budget import StepLatency
@@ -267,7 +268,9 @@ class Engine:
         with self.timer.phase("accept"):
             sampling = [None if r.params.greedy else RowSampling(r.params.temperature, r.params.top_k,
                                                                  r.params.top_p, r.generator) for r in batch]
-            acceptance = verify_batch(draft, logits, sampling)
+            # the argmax of every node and, for the matrix, its top-k: one pass (None: torch's two)
+            top = top_k_rows(logits.reshape(-1, logits.shape[-1]), self.matrix.k if self.spec.uses_matrix else 1)
+            acceptance = verify_batch(draft, logits, sampling, top[:, 0] if top is not None else None)
             seconds = time.perf_counter() - t0 if self.config.online_latency else None
             accepted, emitted = acceptance.accepted_nodes, acceptance.emitted
             if self.drafter is not None:
@@ -283,10 +286,11 @@ class Engine:
                 real = draft.real_nodes() if logits.dim() == 2 else None  # packed logits: real nodes only
                 before = draft.tokens_before() if draft.before_roots is not None else None
                 if real is None:
-                    self.matrix.recycle(draft.tokens, logits, preferred=on_path, pairs=self.pairs, before=before)
+                    self.matrix.recycle(draft.tokens, logits, preferred=on_path, pairs=self.pairs, before=before,
+                                        top=top)
                 else:
                     self.matrix.recycle(draft.tokens[real], logits, preferred=on_path[real], pairs=self.pairs,
-                                        before=before[real] if before is not None else None)
+                                        before=before[real] if before is not None else None, top=top)
         with self.timer.phase("postprocess"):
             for req, out, nodes in zip(batch, emitted, draft.nodes_per_row()):
                 kept = 0  # tokens of this step that made it into the output (a stop cuts the rest)

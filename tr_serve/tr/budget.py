@@ -55,7 +55,13 @@ class AcceptanceStats:
     @property
     def conditional_rates(self) -> torch.Tensor:
         """q_i for nodes 1..n (index 0 here = node 1); 0 where nothing has been observed."""
-        return torch.where(self.trials > 0, self.hits / self.trials.clamp(min=1e-12), torch.zeros_like(self.hits))
+        return torch.from_numpy(self._conditional_rates())
+
+    def _conditional_rates(self) -> np.ndarray:
+        # numpy on views of the counts: read every step, and each torch call here cost several
+        # microseconds more (most right after a forward, with the caches cold)
+        trials = self.trials.numpy()
+        return np.divide(self.hits.numpy(), trials, out=np.zeros_like(trials), where=trials > 0)
 
     @property
     def rates(self) -> torch.Tensor:
@@ -65,14 +71,15 @@ class AcceptanceStats:
     def rate_list(self) -> list[float]:
         """:attr:`rates` as a list, computed once per update (the budget reads it every step)."""
         if self._rates is None:
-            q = self.conditional_rates.tolist()
+            q = self._conditional_rates().tolist()
             p = [1.0] * (self.tree.num_nodes + 1)
             for i in self._level_order:  # parents are resolved before their children
                 p[i] = p[self._parent_list[i]] * q[i - 1]
             self._rates = p[1:]
         return self._rates
 
-    def update(self, draft: torch.Tensor, choice: torch.Tensor, verified: torch.Tensor | None = None) -> None:
+    def update(self, draft: torch.Tensor | np.ndarray, choice: torch.Tensor | np.ndarray,
+               verified: torch.Tensor | np.ndarray | None = None) -> None:
         """draft [b, N+1] drafted tokens of the full template; choice [b, v] the model's token after
         each of the first ``v`` inputs (the root and a verified prefix of the template), or, with
         ``verified`` [N+1] or per row [b, N+1] bool, choice [b, N+1] holding the model's token after
@@ -82,13 +89,13 @@ class AcceptanceStats:
         tree = self.tree
         n = tree.num_nodes
         b = draft.shape[0]
-        choice, draft = choice.cpu().numpy(), draft.cpu().numpy()
+        choice, draft = _host(choice), _host(draft)
         if verified is None:
             v = choice.shape[1]
             verified = np.arange(n + 1) < v
             choice = np.concatenate([choice, np.zeros((b, n + 1 - v), dtype=choice.dtype)], axis=1)
         else:
-            verified = verified.cpu().numpy()
+            verified = _host(verified)
         if verified.ndim == 1:
             verified = np.broadcast_to(verified[None], (b, n + 1))
         ok = np.zeros((b, n + 1), dtype=bool)  # the node's whole path was accepted
@@ -107,6 +114,10 @@ class AcceptanceStats:
         hits += ok[:, 1:].sum(0)
         trials += observed[:, 1:].sum(0)
         self._rates = None
+
+
+def _host(a: torch.Tensor | np.ndarray) -> np.ndarray:
+    return a.cpu().numpy() if isinstance(a, torch.Tensor) else a
 
 
 class ContextStats:
@@ -132,7 +143,7 @@ class ContextStats:
     def path_rates(self, match_length: int) -> list[float]:
         """p_j: probability that the first j+1 retrieved tokens are all accepted."""
         if self._path_rates is None:
-            q = (self.hits / self.trials.clamp(min=1e-12)).tolist()
+            q = (self.hits.numpy() / np.maximum(self.trials.numpy(), 1e-12)).tolist()
             self._path_rates = []
             for row in q:
                 p, acc = [], 1.0
@@ -144,21 +155,16 @@ class ContextStats:
 
     def update(self, outcomes: list[tuple[int, list[bool], list[bool]]]) -> None:
         """Per row (match length, observed per offset, accepted per offset)."""
-        self.hits *= self.decay
-        self.trials *= self.decay
-        rows, cols, hits = [], [], []
+        hits, trials = self.hits.numpy(), self.trials.numpy()  # views: updated in place, a few entries a step
+        hits *= self.decay
+        trials *= self.decay
         for match_length, observed, accepted in outcomes:
             row = self.bucket(match_length)
             for j, (seen, ok) in enumerate(zip(observed, accepted)):
                 if not seen or j >= self.max_tokens:
                     break
-                rows.append(row)
-                cols.append(j)
-                hits.append(float(ok))
-        if rows:
-            index = (torch.tensor(rows), torch.tensor(cols))
-            self.trials.index_put_(index, torch.ones(len(rows), dtype=torch.float64), accumulate=True)
-            self.hits.index_put_(index, torch.tensor(hits, dtype=torch.float64), accumulate=True)
+                trials[row, j] += 1.0
+                hits[row, j] += float(ok)
         self._path_rates = None
 
 
@@ -356,9 +362,14 @@ def choose_plan(template_rates: list[float], chains: list[tuple[list[int], list[
     plain_frontier = _frontier([(cum_b[n], n, n, 0) for n in node_candidates])
     frontiers: list[list[tuple[float, int, int, int]]] = []
     candidates, caps = sorted(node_candidates), sorted(chain_caps)
+    seen: dict[tuple, list[tuple[float, int, int, int]]] = {}  # rows with the same branch shape share a frontier
     for merge_pos, rates in chains:
         if not rates:
             frontiers.append(plain_frontier)
+            continue
+        key = (tuple(merge_pos), tuple(rates))
+        if key in seen:
+            frontiers.append(seen[key])
             continue
         cum = _cumulative(rates)
         options = []
@@ -373,11 +384,13 @@ def choose_plan(template_rates: list[float], chains: list[tuple[list[int], list[
                 options.append((base + cum[m + extra], n + extra, n, cap))
                 if cap >= longest:
                     break  # larger caps are the same plan
-        frontiers.append(_frontier(options))
+        seen[key] = _frontier(options)
+        frontiers.append(seen[key])
     plain = None  # every row a one-token step, when every row has that option
     if all(f[0][1] == 0 for f in frontiers):
         plain = tuple((f[0][2], f[0][3]) for f in frontiers)
-    # rows that share a frontier (every row without a branch) pick alike: one pick per frontier
+    # rows that share a frontier (every row without a branch, rows with the same branch shape) pick
+    # alike: one pick per frontier
     groups: dict[int, tuple[list[tuple[float, int, int, int]], list[int]]] = {}
     for r, frontier in enumerate(frontiers):
         groups.setdefault(id(frontier), (frontier, []))[1].append(r)
@@ -507,11 +520,13 @@ class TreeBudget:
         if self._expected is not None:
             self.calibration.observe(self._expected, sum(acceptance.num_accepted_drafts))
             self._expected = None
-        draft, choice, verified = template_outcomes(batch, acceptance)
+        draft, choice, verified = (_host(a) for a in template_outcomes(batch, acceptance))
         self.acceptance.update(draft, choice, verified)
         branchless = [r for r, m in enumerate(batch.match_lengths) if m == 0]
         if branchless:
-            self.branchless.update(draft[branchless], choice[branchless], verified[branchless])
+            if len(branchless) < len(batch.match_lengths):
+                draft, choice, verified = draft[branchless], choice[branchless], verified[branchless]
+            self.branchless.update(draft, choice, verified)
         if self.context_stats is not None:
             self.context_stats.update(branch_outcomes(batch, acceptance))
 

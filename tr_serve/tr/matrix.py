@@ -66,7 +66,8 @@ class AdjacencyMatrix:
         self._dirty = torch.zeros(vocab_size, dtype=torch.bool, device=device)
 
     def recycle(self, tokens: torch.Tensor, logits: torch.Tensor, preferred: torch.Tensor | None = None,
-                pairs: PairRows | None = None, before: torch.Tensor | None = None) -> None:
+                pairs: PairRows | None = None, before: torch.Tensor | None = None,
+                top: torch.Tensor | None = None) -> None:
         """Overwrite the rows of ``tokens`` [n] with the top-k of their next-token ``logits`` [n, V].
 
         Tokens that are :data:`EMPTY` (tree nodes that drafted nothing) are skipped. When a token
@@ -75,7 +76,8 @@ class AdjacencyMatrix:
         are dropped before the write, because an indexed write with repeated indices has no
         defined winner on GPUs. With ``pairs`` and ``before`` [n] (the token before each node,
         -1 for none), the same top-k also becomes the rows of the pairs (before, token) in the
-        pair table, one winner per pair by the same rule.
+        pair table, one winner per pair by the same rule. ``top`` [n, k]: the top-k of every row of
+        ``logits`` when the caller already has it (the engine's one-pass top-k, runner/top_k.py).
         """
         # which node's logits each token keeps, decided on the host: a few dozen nodes per step, so
         # a dict walk beats the tensor version (a vocabulary-sized scatter and ~10 small ops; the
@@ -99,7 +101,9 @@ class AdjacencyMatrix:
         # and the kept rows' ranks picked: cheaper than copying the kept rows' logits out first
         # (measured, 15 rows of 49152: a gather of 13 rows 0.20 ms, a top-k of 2 more rows 0.02 ms)
         rows = torch.tensor(ranked, dtype=torch.long, device=logits.device)
-        if 4 * len(ranked) >= 3 * logits.shape[0]:
+        if top is not None:
+            top = top.to(logits.device)[rows]
+        elif 4 * len(ranked) >= 3 * logits.shape[0]:
             top = top_k_indices(logits, self.k)[rows]
         else:
             top = top_k_indices(logits[rows], self.k)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Sequence
 
+import numpy as np
 import torch
 
 from tr_serve.tr.argmax import argmax_rows
@@ -67,12 +68,19 @@ def accepted_mask(batch: DraftBatch, choice: torch.Tensor) -> torch.Tensor:
     choice: [b, q] the model's token after every input. A node is right when its token is the
     choice after its parent; it is accepted when it and every ancestor are right. Padding and
     EMPTY nodes never are."""
-    parents = batch.parents.clamp(min=0)
-    correct = batch.tokens == choice.gather(1, parents)  # [b, q]
+    return torch.from_numpy(_accepted(batch.parents.cpu().numpy(), batch.tokens.cpu().numpy(), choice.cpu().numpy(),
+                                      batch.max_depth))
+
+
+def _accepted(parents: np.ndarray, tokens: np.ndarray, choice: np.ndarray, max_depth: int) -> np.ndarray:
+    # numpy: a handful of small [b, q] tables every step, where each torch call cost several
+    # microseconds more (right after a forward, with the caches cold)
+    parents = np.maximum(parents, 0)
+    correct = tokens == np.take_along_axis(choice, parents, axis=1)  # [b, q]
     correct[:, 0] = True
     ok = correct
-    for _ in range(batch.max_depth):  # after d rounds every node of depth <= d is resolved
-        ok = correct & ok.gather(1, parents)
+    for _ in range(max_depth):  # after d rounds every node of depth <= d is resolved
+        ok = correct & np.take_along_axis(ok, parents, axis=1)
     return ok
 
 
@@ -80,12 +88,12 @@ def accept_draft(batch: DraftBatch, choice: torch.Tensor) -> Acceptance:
     """Per row, the deepest accepted node's path (siblings hold distinct tokens, so the accepted
     nodes form one chain), then the model's token after it: the bonus."""
     choice = choice.cpu()
-    ok = accepted_mask(batch, choice)
-    score = torch.where(ok, batch.row_depths(), torch.full_like(ok, -1, dtype=torch.long))
-    best = score.argmax(dim=1).tolist()
-    parents = batch.parents.tolist()
-    tokens = batch.tokens.tolist()
-    choice_rows = choice.tolist()
+    choice_np = choice.numpy()
+    parents_np, tokens_np = batch.parents.cpu().numpy(), batch.tokens.cpu().numpy()
+    ok = _accepted(parents_np, tokens_np, choice_np, batch.max_depth)
+    best = np.where(ok, batch.row_depths().cpu().numpy(), -1).argmax(axis=1).tolist()
+    parents = parents_np.tolist()
+    tokens = tokens_np.tolist()
     accepted, emitted = [], []
     for r, node in enumerate(best):
         path = [node]
@@ -93,8 +101,8 @@ def accept_draft(batch: DraftBatch, choice: torch.Tensor) -> Acceptance:
             path.append(parents[r][path[-1]])
         path.reverse()
         accepted.append(torch.tensor(path))
-        emitted.append(torch.tensor([tokens[r][i] for i in path[1:]] + [choice_rows[r][node]]))
-    return Acceptance(accepted, emitted, choice, ok)
+        emitted.append(torch.tensor([tokens[r][i] for i in path[1:]] + [int(choice_np[r, node])]))
+    return Acceptance(accepted, emitted, choice, torch.from_numpy(ok))
 
 
 @dataclass(frozen=True)
@@ -108,19 +116,24 @@ class RowSampling:
     generator: torch.Generator | None
 
 
-def verify_batch(batch: DraftBatch, logits: torch.Tensor, sampling: Sequence[RowSampling | None]) -> Acceptance:
+def verify_batch(batch: DraftBatch, logits: torch.Tensor, sampling: Sequence[RowSampling | None],
+                 argmax: torch.Tensor | None = None) -> Acceptance:
     """The one verification entry point for a batch of greedy and sampled rows.
 
     logits [b, q, V], or packed [sum(lengths), V] at ``batch.real_nodes()`` (the runner's verify
     on padded rows); sampling[r] None for a greedy row. Greedy rows keep the longest path equal
     to the model's argmax, plus the bonus; sampled rows walk their tree with one draw per emitted
-    token (tr/sampling.py). The result holds what every row actually keeps and emits."""
+    token (tr/sampling.py). The result holds what every row actually keeps and emits. ``argmax``:
+    the argmax of every row of ``logits`` as laid out ([b * q] or [sum(lengths)]), when the caller
+    already has it (the engine's one-pass top-k, runner/top_k.py)."""
     real = batch.real_nodes() if logits.dim() == 2 else None
+    if argmax is None:
+        argmax = argmax_rows(logits.reshape(-1, logits.shape[-1]))  # waits for the forward
     if real is None:
-        choice = argmax_rows(logits.reshape(-1, logits.shape[-1])).view(logits.shape[:-1])  # waits for the forward
+        choice = argmax.view(logits.shape[:-1])
     else:  # padding: token 0, never read (a padded node is never accepted and has no children)
         choice = torch.zeros(real.shape, dtype=torch.long)
-        choice[real] = argmax_rows(logits).cpu()
+        choice[real] = argmax.cpu()
     acceptance = accept_draft(batch, choice)
     if all(s is None for s in sampling):
         return acceptance
