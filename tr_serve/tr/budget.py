@@ -520,7 +520,7 @@ class TreeBudget:
         if self._expected is not None:
             self.calibration.observe(self._expected, sum(acceptance.num_accepted_drafts))
             self._expected = None
-        draft, choice, verified = (_host(a) for a in template_outcomes(batch, acceptance))
+        draft, choice, verified = template_outcomes(batch, acceptance)
         self.acceptance.update(draft, choice, verified)
         branchless = [r for r, m in enumerate(batch.match_lengths) if m == 0]
         if branchless:
@@ -560,10 +560,10 @@ def branch_outcomes(batch: "DraftBatch", acceptance: "Acceptance") -> list[tuple
     return outcomes
 
 
-def template_outcomes(batch: "DraftBatch", acceptance: "Acceptance") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """What :meth:`AcceptanceStats.update` reads from one step: the template drafted [b, N+1], the
-    model's choice after every template node [b, N+1] and which nodes each row verified (a prefix
-    of the batch's template columns) [b, N+1]."""
+def template_outcomes(batch: "DraftBatch", acceptance: "Acceptance") -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """What :meth:`AcceptanceStats.update` reads from one step, on the host: the template drafted
+    [b, N+1], the model's choice after every template node [b, N+1] and which nodes each row
+    verified (a prefix of the batch's template columns) [b, N+1]."""
     rows = batch.tokens.shape[0]
     n_full = batch.template_draft.shape[1] - 1
     cols = np.concatenate([[0], batch.template_nodes.numpy()])
@@ -571,7 +571,7 @@ def template_outcomes(batch: "DraftBatch", acceptance: "Acceptance") -> tuple[to
     choice[:, cols] = acceptance.choices[:, : len(cols)].cpu().numpy()
     verified = np.zeros((rows, n_full + 1), dtype=bool)
     verified[:, cols] = np.arange(len(cols))[None, :] <= np.asarray(batch.row_nodes)[:, None]
-    return batch.template_draft, torch.from_numpy(choice), torch.from_numpy(verified)
+    return _host(batch.template_draft), choice, verified
 
 
 def observe_template(stats: AcceptanceStats, batch: "DraftBatch", acceptance: "Acceptance") -> None:
