@@ -4,6 +4,9 @@ Why: every verification step takes the argmax of every verified node's logits (p
 each row too). On CPU ``torch.argmax`` over [n, V] scans with its index in step and does not
 vectorise: measured here at V = 49152, 2 threads, 15 rows take 0.43 ms, more than a 15-row
 recycle. A blocked maximum (``amax`` over blocks of 128) vectorises: 0.09 ms for the whole argmax.
+On CPU in float32 the engine's verify steps take the argmax from the runner's one-pass top-k
+(runner/top_k.py) instead; this is the choice everywhere else (a prefill's first token, other
+devices and dtypes, a machine without the kernel).
 """
 
 from __future__ import annotations

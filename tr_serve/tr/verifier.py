@@ -62,24 +62,18 @@ def accept_choices(draft: torch.Tensor, choice: torch.Tensor, tree: CompiledTree
     return accept_draft(build_draft(draft.cpu(), tree, torch.arange(1, tree.num_nodes + 1)), choice)
 
 
-def accepted_mask(batch: DraftBatch, choice: torch.Tensor) -> torch.Tensor:
+def accepted_mask(batch: DraftBatch, choice: np.ndarray) -> np.ndarray:
     """[b, q] True where the node's whole path from the root equals the model's choices.
 
     choice: [b, q] the model's token after every input. A node is right when its token is the
     choice after its parent; it is accepted when it and every ancestor are right. Padding and
-    EMPTY nodes never are."""
-    return torch.from_numpy(_accepted(batch.parents.cpu().numpy(), batch.tokens.cpu().numpy(), choice.cpu().numpy(),
-                                      batch.max_depth))
-
-
-def _accepted(parents: np.ndarray, tokens: np.ndarray, choice: np.ndarray, max_depth: int) -> np.ndarray:
-    # numpy: a handful of small [b, q] tables every step, where each torch call cost several
-    # microseconds more (right after a forward, with the caches cold)
-    parents = np.maximum(parents, 0)
-    correct = tokens == np.take_along_axis(choice, parents, axis=1)  # [b, q]
+    EMPTY nodes never are. In numpy: a handful of small [b, q] tables every step, where each torch
+    call cost several microseconds more (right after a forward, with the caches cold)."""
+    parents = np.maximum(batch.parents.cpu().numpy(), 0)
+    correct = batch.tokens.cpu().numpy() == np.take_along_axis(choice, parents, axis=1)  # [b, q]
     correct[:, 0] = True
     ok = correct
-    for _ in range(max_depth):  # after d rounds every node of depth <= d is resolved
+    for _ in range(batch.max_depth):  # after d rounds every node of depth <= d is resolved
         ok = correct & np.take_along_axis(ok, parents, axis=1)
     return ok
 
@@ -89,11 +83,10 @@ def accept_draft(batch: DraftBatch, choice: torch.Tensor) -> Acceptance:
     nodes form one chain), then the model's token after it: the bonus."""
     choice = choice.cpu()
     choice_np = choice.numpy()
-    parents_np, tokens_np = batch.parents.cpu().numpy(), batch.tokens.cpu().numpy()
-    ok = _accepted(parents_np, tokens_np, choice_np, batch.max_depth)
+    ok = accepted_mask(batch, choice_np)
     best = np.where(ok, batch.row_depths().cpu().numpy(), -1).argmax(axis=1).tolist()
-    parents = parents_np.tolist()
-    tokens = tokens_np.tolist()
+    parents = batch.parents.cpu().numpy().tolist()
+    tokens = batch.tokens.cpu().numpy().tolist()
     accepted, emitted = [], []
     for r, node in enumerate(best):
         path = [node]
