@@ -31,6 +31,8 @@ def _device_name(device: torch.device) -> str:
 
 def calibration_key(model_id: str, runner: ModelRunner) -> str:
     attention = "tree-attention" if getattr(runner, "tree_attention", False) else "sdpa"  # the kernels timed
+    if getattr(runner, "layer_ops", False):
+        attention += "+layer-ops"
     raw = (f"{model_id}|{_device_name(runner.device)}|{runner.dtype}|{torch.__version__}|{runner.kernel_plan}|"
            f"{attention}|{POINTS}|median")  # a table measured at other counts or otherwise is measured again
     return hashlib.sha256(raw.encode()).hexdigest()[:20]

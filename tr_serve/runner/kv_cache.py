@@ -152,13 +152,22 @@ class SlotKVCache(Cache):
                 out.append(Segment(i, j, r0 + i - b0, r0 + j - b0, w, p, p + (j - i) * w))
                 p += (j - i) * w
                 i = j
+        self._packed_widths = widths
+        self.step_packed_rows = self.step_packed_slots = None
         if self.step_single is None:
-            step_rows, starts = self._step_row_list, self._step_starts
+            self.packed_targets()
+        return out
+
+    def packed_targets(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cache row, slot) of each of the step's real tokens, packed in row order, as planned by
+        :meth:`plan_segments` (int64 on the cache's device)."""
+        if self.step_packed_rows is None:
+            step_rows, starts, widths = self._step_row_list, self._step_starts, self._packed_widths
             self.step_packed_rows = torch.tensor([step_rows[i] for i, w in enumerate(widths) for _ in range(w)],
                                                  device=self.device)
             self.step_packed_slots = torch.tensor([starts[i] + j for i, w in enumerate(widths) for j in range(w)],
                                                   device=self.device)
-        return out
+        return self.step_packed_rows, self.step_packed_slots
 
     def compact(self, rows: torch.Tensor, keep_offsets: list[torch.Tensor]) -> None:
         """Keep, for each row, the step's new entries at ``lens[row] + keep_offsets[i]`` (ascending,

@@ -21,7 +21,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from tr_serve.runner import tree_attention
+from tr_serve.runner import layer_ops, tree_attention
 
 _ATTENTION = ("sdpa", "tr_serve_sdpa")  # the implementations whose arithmetic the body reproduces
 
@@ -61,14 +61,17 @@ def _build(model) -> Callable | None:
 
     def body(input_ids: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor | None, cache,
              real: torch.Tensor | None = None, widths: list[int] | None = None,
-             queries: tree_attention.StepQueries | None = None) -> torch.Tensor:
+             queries: tree_attention.StepQueries | None = None, native: bool = False) -> torch.Tensor:
         """real: indices of the real tokens in the flattened [b * s] batch (None: all); widths:
         real tokens per row, the first of each row (None: s each). The linear layers run over the
         real tokens only (rows packed). On the slot cache with ascending rows, attention runs per
         segment of consecutive cache rows of one width (:meth:`SlotKVCache.plan_segments`), so no
         row pays for another row's width, or, given ``queries``, through the native tree attention
         in one call per layer (then ``mask`` is not needed); otherwise over the padded [b, heads,
-        s, d] layout. Returns the real tokens' hidden states, packed in row order: [t, hidden]."""
+        s, d] layout. ``native``: on the packed layout, the layers' norms, rotary embedding, cache
+        writes and gated activation run through :mod:`tr_serve.runner.layer_ops` (the caller
+        checks :func:`supports_layer_ops`). Returns the real tokens' hidden states, packed in row
+        order: [t, hidden]."""
         h = inner.embed_tokens(input_ids)
         cos, sin = inner.rotary_emb(h, position_ids)
         b, s = input_ids.shape
@@ -80,6 +83,9 @@ def _build(model) -> Callable | None:
             h = flat(h)
             cos, sin = flat(cos.expand(b, s, -1)), flat(sin.expand(b, s, -1))
         t = h.shape[1]
+        if native and segments is not None:
+            return _native_layers(layers, inner.norm, h.contiguous(), cos.contiguous(), sin.contiguous(), cache,
+                                  segments, mask, queries)
         for i, layer in enumerate(layers):
             attn = layer.self_attn
             x = layer.input_layernorm(h)
@@ -110,13 +116,63 @@ def _build(model) -> Callable | None:
     return body
 
 
-def _attend_segments(layer, segments, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
-                     scale: float) -> torch.Tensor:
+def _native_layers(layers, final_norm, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache, segments,
+                   mask: torch.Tensor | None, queries: tree_attention.StepQueries | None) -> torch.Tensor:
+    """The layers over the packed tokens h [1, t, hidden] with :mod:`tr_serve.runner.layer_ops`:
+    the same modules' weights and matrix products, three native calls for the rest of a layer.
+    A layer's residual add is done by the next norm (``pending``)."""
+    t = h.shape[1]
+    rows, slots = cache.packed_targets()
+    pending = None
+    for i, layer in enumerate(layers):
+        attn, slot = layer.self_attn, cache.layers[i]
+        norm = layer.input_layernorm
+        x = layer_ops.add_rms_norm(h, pending, norm.weight, norm.variance_epsilon)
+        d = attn.head_dim
+        q = attn.q_proj(x).view(t, -1, d)  # [t, heads, d]: views of one GEMM's output where fused
+        k, v = attn.k_proj(x).view(t, -1, d), attn.v_proj(x).view(t, -1, d)
+        layer_ops.rope_store(q, k, v, cos, sin, slot.keys, slot.values, rows, slots)
+        if queries is not None:
+            o = tree_attention.attend(q, slot.keys, slot.values, queries, attn.scaling)[None]
+        else:
+            o = _attend_segments(slot, segments, q.transpose(0, 1)[None], None, None, mask, attn.scaling,
+                                 kv_heads=k.shape[1])
+        post = layer.post_attention_layernorm
+        x = layer_ops.add_rms_norm(h, attn.o_proj(o), post.weight, post.variance_epsilon)
+        mlp = layer.mlp
+        pending = mlp.down_proj(layer_ops.silu_mul(mlp.gate_proj(x), mlp.up_proj(x)))
+    out = layer_ops.add_rms_norm(h, pending, final_norm.weight, final_norm.variance_epsilon)
+    return out.reshape(-1, out.shape[-1])  # packed, row order
+
+
+def supports_layer_ops(model) -> bool:
+    """Whether :func:`_native_layers` computes what this model's layers do: Llama RMSNorms, SiLU
+    MLPs, head and hidden sizes the kernels take, fp32."""
+    config = model.config
+    inner = getattr(model, "model", None)
+    if inner is None or getattr(config, "hidden_act", None) != "silu" or config.hidden_size % 16:
+        return False
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    if head_dim % 2:
+        return False
+    try:
+        norms = [inner.norm] + [n for layer in inner.layers
+                                for n in (layer.input_layernorm, layer.post_attention_layernorm)]
+    except AttributeError:
+        return False
+    return all(type(n).__name__ == "LlamaRMSNorm" and n.weight.dtype == torch.float32 for n in norms) and all(
+        type(layer.mlp).__name__ == "LlamaMLP" for layer in inner.layers)
+
+
+def _attend_segments(layer, segments, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None,
+                     mask: torch.Tensor, scale: float, kv_heads: int | None = None) -> torch.Tensor:
     """Packed q/k/v [1, heads, t, d] of the step's real tokens: write k/v into the layer's cache
-    slots, attend one segment at a time at its own width over a view of its rows' cache.
-    Returns [1, t, heads * d] in the packed order."""
-    layer.write_packed(k[0].transpose(0, 1), v[0].transpose(0, 1))
-    gqa = q.shape[1] != k.shape[1]
+    slots (None: already written; then ``kv_heads`` says how many), attend one segment at a time at
+    its own width over a view of its rows' cache. Returns [1, t, heads * d] in the packed order."""
+    if k is not None:
+        layer.write_packed(k[0].transpose(0, 1), v[0].transpose(0, 1))
+        kv_heads = k.shape[1]
+    gqa = q.shape[1] != kv_heads
     outs = []
     for seg in segments:
         n, w = seg.batch_end - seg.batch_start, seg.width

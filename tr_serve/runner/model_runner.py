@@ -11,10 +11,10 @@ import contextlib
 import torch
 
 from tr_serve.runner.attention import runner_attention
-from tr_serve.runner import tree_attention
+from tr_serve.runner import layer_ops, tree_attention
 from tr_serve.runner.cpu_kernels import KernelPlan
 from tr_serve.runner.kv_cache import SlotKVCache
-from tr_serve.runner.llama_body import body_for
+from tr_serve.runner.llama_body import body_for, supports_layer_ops
 
 
 def build_step_mask(starts: torch.Tensor, local: torch.Tensor, kv_len: int, dtype: torch.dtype,
@@ -107,6 +107,8 @@ class ModelRunner:
         self.tree_attention = (tree_attention_enabled and self.device.type == "cpu" and self.dtype == torch.float32
                                and tree_attention.supports(cfg.num_attention_heads, kv_heads, head_dim)
                                and tree_attention.available())
+        # with it, each layer's norms, rotary embedding, cache writes and activation in native calls
+        self.layer_ops = self.tree_attention and supports_layer_ops(model) and layer_ops.available()
 
     def length(self, row: int) -> int:
         return int(self.cache.lens[row])
@@ -141,7 +143,8 @@ class ModelRunner:
         with self._kernels(), runner_attention(self.model):
             if body is not None:
                 index = real.nonzero().flatten() if real is not None else None
-                return body(tokens.to(self.device), positions, mask, self.cache, index, widths, queries)
+                return body(tokens.to(self.device), positions, mask, self.cache, index, widths, queries,
+                            native=self.layer_ops)
             out = self.model.model(
                 input_ids=tokens.to(self.device), attention_mask=mask, position_ids=positions,
                 cache=self.cache, use_cache=True,

@@ -1,0 +1,290 @@
+"""A Llama layer's per-token glue on CPU in three native calls: residual add + RMSNorm, rotary
+embedding + KV-cache store, SiLU-gated product.
+
+Why: between its matrix products a Llama layer runs ~45 small torch operations (RMSNorm is 7,
+rotary ~14 for q and k, the two cache writes, SiLU and its product, the residual adds). On this
+2-core CPU each costs microseconds of dispatch and runs on one core, and the first ones after a
+GEMM meet cold caches: measured with torch's profiler in the runner (SmolLM2-135M, 30 layers, 2
+threads, context 256), 5-6 ms of torch operations in a 1-token forward and 10.5 ms in a 16-token
+one; in a 16-row step the two cache writes (advanced-index puts) alone took 35 us each. Here each
+concern is one call per layer that walks the step's tokens row by row.
+
+- :func:`add_rms_norm`: ``h += delta`` (the residual add, in place), then
+  ``weight * (h * 1/sqrt(mean(h^2) + eps))`` as transformers' ``LlamaRMSNorm`` computes it, except
+  that the sum of squares runs in this kernel's own fixed order (rounding-level differences).
+- :func:`rope_store`: rotates the queries in place and writes the rotated keys and the values into
+  their cache slots: ``x * cos + rotate_half(x) * sin``, bit for bit (compiled without contracting
+  multiply-adds, so every product and sum rounds as in torch's separate operations).
+- :func:`silu_mul`: ``silu(gate) * up`` with a vectorised ``exp`` (Cephes' polynomial, ~1 ulp from
+  torch's), so rounding-level differences.
+
+Every token's result is computed by the same code in the same order whatever else the step holds
+(batch invariant), so a token verified in a tree gets exactly what a one-token step gives it. The
+runner uses these where it uses the native tree attention (fp32 Llama on CPU, ``cpu_kernels:
+auto``); without a compiler, on a failed self-check, or with ``TR_SERVE_LAYER_OPS=0``, the body
+keeps torch's operations.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from tr_serve.runner import native
+
+SOURCE = r"""
+#pragma GCC optimize("fp-contract=off")
+#include <stdint.h>
+#include <string.h>
+#include <math.h>
+
+typedef float v16 __attribute__((vector_size(64)));
+typedef int32_t i16 __attribute__((vector_size(64)));
+
+static inline v16 load16(const float *p) { v16 v; memcpy(&v, p, sizeof v); return v; }
+static inline void store16(float *p, v16 v) { memcpy(p, &v, sizeof v); }
+static inline v16 splat(float x) { return (v16){0} + x; }
+static inline v16 pick(i16 m, v16 a, v16 b) { return (v16)(((i16)a & m) | ((i16)b & ~m)); } /* m ? a : b */
+
+/* sum of the 16 lanes, halves folded in a fixed order */
+static inline float hsum(v16 a) {
+    a += __builtin_shuffle(a, (i16){8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7});
+    a += __builtin_shuffle(a, (i16){4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11});
+    a += __builtin_shuffle(a, (i16){2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13});
+    a += __builtin_shuffle(a, (i16){1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14});
+    return a[0];
+}
+
+/* exp(x) (Cephes expf): 0 below -87.3, +inf above 88.72, NaN stays NaN */
+static inline v16 vexp(v16 x) {
+    i16 low = x < splat(-87.33654f), high = x > splat(88.72283f);
+    v16 c = pick(x < splat(-87.0f), splat(-87.0f), x);
+    c = pick(c > splat(88.0f), splat(88.0f), c);
+    const float magic = 12582912.0f; /* 1.5 * 2^23: adding it rounds to an integer */
+    v16 t = c * 1.44269504088896341f + magic;
+    v16 n = t - magic;
+    v16 r = c - n * 0.693359375f;
+    r = r - n * -2.12194440e-4f;
+    v16 p = r * 1.9875691500e-4f + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * (r * r) + r + 1.0f;
+    i16 e = ((i16)t - (i16)splat(magic) + 127) << 23;
+    v16 y = p * (v16)e;
+    y = pick(low, splat(0.0f), y);
+    return pick(high, splat(INFINITY), y);
+}
+
+/* per row r < t: h[r] += delta[r] (when delta), out[r] = w * (h[r] * (1 / sqrt(sum(h[r]^2) / D + eps))) */
+int tr_add_rms_norm(float *h, int64_t hs, const float *delta, int64_t ds, float *out, int64_t os,
+                    const float *w, int64_t t, int64_t D, float eps, int nthreads) {
+    if (D % 16) return 2;
+    #pragma omp parallel for num_threads(nthreads) if (t >= 32) schedule(static)
+    for (int64_t r = 0; r < t; r++) {
+        float *x = h + r * hs;
+        if (delta) {
+            const float *d = delta + r * ds;
+            for (int64_t i = 0; i < D; i += 16) store16(x + i, load16(x + i) + load16(d + i));
+        }
+        v16 acc = (v16){0};
+        for (int64_t i = 0; i < D; i += 16) { v16 v = load16(x + i); acc += v * v; }
+        float inv = 1.0f / sqrtf(hsum(acc) / (float)D + eps);
+        float *o = out + r * os;
+        for (int64_t i = 0; i < D; i += 16) store16(o + i, load16(w + i) * (load16(x + i) * splat(inv)));
+    }
+    return 0;
+}
+
+/* rotate x [D] by cos/sin [D] as x * cos + rotate_half(x) * sin, into y (may be x) */
+static inline void rotate(const float *x, float *y, const float *c, const float *s, int64_t D) {
+    const int64_t H = D / 2;
+    for (int64_t i = 0; i < H; i++) {
+        float a = x[i], b = x[i + H];
+        y[i] = a * c[i] + (-b) * s[i];
+        y[i + H] = b * c[i + H] + a * s[i + H];
+    }
+}
+
+/* token j < t: NQ query heads at q + j * qs (rotated in place), NK key heads at k + j * ks, value
+   heads at v + j * vs, each of D floats; cos/sin [t, D]. The rotated keys and the values go to
+   slot slots[j] of cache row rows[j] of keys/values [rows, NK, L, D]. */
+int tr_rope_store(float *q, int64_t qs, const float *k, int64_t ks, const float *v, int64_t vs,
+                  const float *cos, const float *sin, int64_t t, int64_t NQ, int64_t NK, int64_t D,
+                  float *keys, float *values, int64_t L, const int64_t *rows, const int64_t *slots, int nthreads) {
+    if (D % 2) return 2;
+    #pragma omp parallel for num_threads(nthreads) if (t >= 32) schedule(static)
+    for (int64_t j = 0; j < t; j++) {
+        const float *c = cos + j * D, *s = sin + j * D;
+        for (int64_t h = 0; h < NQ; h++) rotate(q + j * qs + h * D, q + j * qs + h * D, c, s, D);
+        for (int64_t h = 0; h < NK; h++) {
+            int64_t at = ((rows[j] * NK + h) * L + slots[j]) * D;
+            rotate(k + j * ks + h * D, keys + at, c, s, D);
+            memcpy(values + at, v + j * vs + h * D, sizeof(float) * D);
+        }
+    }
+    return 0;
+}
+
+/* out [t, I] = silu(gate) * up, silu(x) = x / (1 + exp(-x)); gate/up rows gs/us apart */
+int tr_silu_mul(const float *g, int64_t gs, const float *u, int64_t us, float *out, int64_t t, int64_t I,
+                int nthreads) {
+    #pragma omp parallel for num_threads(nthreads) if (t >= 32) schedule(static)
+    for (int64_t r = 0; r < t; r++) {
+        const float *a = g + r * gs, *b = u + r * us;
+        float *o = out + r * I;
+        int64_t i = 0;
+        for (; i + 16 <= I; i += 16) {
+            v16 x = load16(a + i);
+            v16 sx = x / (splat(1.0f) + vexp(-x));
+            store16(o + i, sx * load16(b + i));
+        }
+        if (i < I) { /* the tail through the same vector code */
+            float xa[16] = {0}, xb[16] = {0}, xo[16];
+            memcpy(xa, a + i, sizeof(float) * (I - i));
+            memcpy(xb, b + i, sizeof(float) * (I - i));
+            v16 x = load16(xa);
+            store16(xo, (x / (splat(1.0f) + vexp(-x))) * load16(xb));
+            memcpy(o + i, xo, sizeof(float) * (I - i));
+        }
+    }
+    return 0;
+}
+"""
+
+_I64, _P, _F = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
+
+
+def _declare(lib: ctypes.CDLL) -> None:
+    lib.tr_rope_store.argtypes = [_P, _I64, _P, _I64, _P, _I64, _P, _P, _I64, _I64, _I64, _I64, _P, _P, _I64, _P,
+                                  _P, ctypes.c_int]
+    lib.tr_silu_mul.argtypes = [_P, _I64, _P, _I64, _P, _I64, _I64, ctypes.c_int]
+    for fn in (lib.tr_rope_store, lib.tr_silu_mul):
+        fn.restype = ctypes.c_int
+
+
+def _self_check(lib: ctypes.CDLL) -> bool:
+    _declare(lib)
+    g = torch.Generator().manual_seed(0)
+    h = torch.randn(5, 64, generator=g)
+    delta, w = torch.randn(5, 64, generator=g), torch.rand(64, generator=g) + 0.5
+    want_h = h + delta
+    want = w * (want_h * torch.rsqrt(want_h.pow(2).mean(-1, keepdim=True) + 1e-5))
+    got = _add_rms_norm(lib, h, delta, w, 1e-5)
+    if not (torch.equal(h, want_h) and torch.allclose(got, want, rtol=1e-5, atol=1e-6)):
+        return False
+    x = torch.randn(3, 40, generator=g) * 6
+    up = torch.randn(3, 40, generator=g)
+    if not torch.allclose(_silu_mul(lib, x, up), torch.nn.functional.silu(x) * up, rtol=1e-5, atol=1e-6):
+        return False
+    q, k, v = torch.randn(3, 2, 16, generator=g), torch.randn(3, 1, 16, generator=g), torch.randn(3, 1, 16, generator=g)
+    cos, sin = torch.randn(3, 16, generator=g), torch.randn(3, 16, generator=g)
+    keys, values = torch.zeros(2, 1, 8, 16), torch.zeros(2, 1, 8, 16)
+    want_q, want_k = (y * cos[:, None] + _rotate_half(y) * sin[:, None] for y in (q, k))
+    rows, slots = torch.tensor([1, 1, 0]), torch.tensor([3, 4, 0])
+    _rope_store(lib, q, k, v, cos, sin, keys, values, rows, slots)
+    return (torch.equal(q, want_q) and torch.equal(keys[rows, :, slots], want_k)
+            and torch.equal(values[rows, :, slots], v))
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+KERNEL = native.Kernel("layer ops", "layer_ops", SOURCE, "TR_SERVE_LAYER_OPS", "tr_add_rms_norm",
+                       [_P, _I64, _P, _I64, _P, _I64, _P, _I64, _I64, _F, ctypes.c_int], _self_check)
+
+
+def available() -> bool:
+    return KERNEL.get() is not None
+
+
+def _rows(x: torch.Tensor) -> tuple[int, int]:
+    """(rows, row stride) of a [..., n] fp32 CPU tensor whose last dimension is contiguous and whose
+    leading dimensions flatten to evenly spaced rows."""
+    if x.dtype != torch.float32 or x.device.type != "cpu" or x.stride(-1) != 1:
+        raise TypeError("layer ops take fp32 CPU tensors with a contiguous last dimension")
+    n = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    lead = x.reshape(-1, x.shape[-1]) if n else x  # a view when rows are evenly spaced
+    if n > 1 and lead.data_ptr() != x.data_ptr():
+        raise ValueError("rows must be evenly spaced")
+    return n, (lead.stride(0) if n > 1 else x.shape[-1])
+
+
+def _lib() -> ctypes.CDLL:
+    lib = KERNEL.get()
+    if lib is None:
+        raise RuntimeError("the layer ops kernel is not available on this machine")
+    return lib
+
+
+def add_rms_norm(h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``h += delta`` in place (skipped when None), then the RMSNorm of every row of ``h`` [..., D]
+    with ``weight`` [D]; returns a new contiguous tensor shaped like ``h``."""
+    return _add_rms_norm(_lib(), h, delta, weight, eps)
+
+
+def _add_rms_norm(lib, h, delta, weight, eps) -> torch.Tensor:
+    t, hs = _rows(h)
+    ds = 0
+    if delta is not None:
+        if delta.shape != h.shape:
+            raise ValueError(f"delta {tuple(delta.shape)} does not match h {tuple(h.shape)}")
+        ds = _rows(delta)[1]
+    weight = weight.contiguous()
+    out = torch.empty(h.shape, dtype=torch.float32)
+    rc = lib.tr_add_rms_norm(h.data_ptr(), hs, delta.data_ptr() if delta is not None else None, ds, out.data_ptr(),
+                             h.shape[-1], weight.data_ptr(), t, h.shape[-1], eps, torch.get_num_threads())
+    if rc != 0:
+        raise ValueError(f"layer ops: a hidden size of {h.shape[-1]} is not a multiple of 16")
+    return out
+
+
+def rope_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+               keys: torch.Tensor, values: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor) -> None:
+    """q [t, heads, d], k and v [t, kv_heads, d] (each token's heads contiguous, tokens evenly
+    spaced: views of one projection output are fine); cos/sin [t, d]. Rotates ``q`` in place and
+    writes token j's rotated keys and its values at slot ``slots[j]`` of cache row ``rows[j]`` of
+    ``keys``/``values`` [rows, kv_heads, max_len, d] (contiguous)."""
+    _rope_store(_lib(), q, k, v, cos, sin, keys, values, rows, slots)
+
+
+def _rope_store(lib, q, k, v, cos, sin, keys, values, rows, slots) -> None:
+    t, heads, d = q.shape
+    kv_heads = k.shape[1]
+    if k.shape != (t, kv_heads, d) or v.shape != k.shape or keys.shape[1] != kv_heads or keys.shape[3] != d:
+        raise ValueError("q, k, v and the cache do not agree on tokens, heads or head size")
+    for x in (q, k, v):
+        if x.stride(2) != 1 or x.stride(1) != d:
+            raise ValueError("each token's heads must be contiguous")
+    if not (keys.is_contiguous() and values.is_contiguous() and keys.shape == values.shape):
+        raise ValueError("the cache buffers must be contiguous and of one shape")
+    cos, sin = cos.reshape(t, d).contiguous(), sin.reshape(t, d).contiguous()
+    rows, slots = rows.to(torch.long).contiguous(), slots.to(torch.long).contiguous()
+    if rows.numel() != t or slots.numel() != t:
+        raise ValueError("one cache row and slot per token")
+    rc = lib.tr_rope_store(q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0),
+                           cos.data_ptr(), sin.data_ptr(), t, heads, kv_heads, d, keys.data_ptr(),
+                           values.data_ptr(), keys.shape[2], rows.data_ptr(), slots.data_ptr(),
+                           torch.get_num_threads())
+    if rc != 0:
+        raise ValueError(f"layer ops: a head size of {d} is odd")
+
+
+def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up`` for gate/up [..., I] (rows evenly spaced); a new contiguous tensor."""
+    return _silu_mul(_lib(), gate, up)
+
+
+def _silu_mul(lib, gate, up) -> torch.Tensor:
+    if gate.shape != up.shape:
+        raise ValueError(f"gate {tuple(gate.shape)} and up {tuple(up.shape)} differ")
+    t, gs = _rows(gate)
+    us = _rows(up)[1]
+    out = torch.empty(gate.shape, dtype=torch.float32)
+    lib.tr_silu_mul(gate.data_ptr(), gs, up.data_ptr(), us, out.data_ptr(), t, gate.shape[-1],
+                    torch.get_num_threads())
+    return out
