@@ -135,8 +135,8 @@ def _native_layers(layers, final_norm, h: torch.Tensor, cos: torch.Tensor, sin: 
         if queries is not None:
             o = tree_attention.attend(q, slot.keys, slot.values, queries, attn.scaling)[None]
         else:
-            o = _attend_segments(slot, segments, q.transpose(0, 1)[None], None, None, mask, attn.scaling,
-                                 kv_heads=k.shape[1])
+            o = _attend_segments(slot, segments, q.transpose(0, 1).contiguous()[None], None, None, mask,
+                                 attn.scaling, kv_heads=k.shape[1])  # [1, heads, t, d], as torch's rotary gave it
         post = layer.post_attention_layernorm
         x = layer_ops.add_rms_norm(h, attn.o_proj(o), post.weight, post.variance_epsilon)
         mlp = layer.mlp
