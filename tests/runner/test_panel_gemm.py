@@ -57,6 +57,20 @@ def test_batch_invariant_and_strided_input():
     assert torch.equal(pg.linear(wide[:, ::2].contiguous(), p, 64), full)
 
 
+@needs_kernel
+@pytest.mark.parametrize("n", [16, 32, 48, 64, 80, 96, 112, 128, 1000])
+def test_one_row_four_panels_at_a_time_gives_the_rows_result_of_any_batch(n):
+    """A single row runs four panels per group (its own path): bit for bit what the same row gets
+    beside other rows, for every remainder of panels (1, 2 or 3 left over)."""
+    g = torch.Generator().manual_seed(n)
+    w, x = torch.randn(n, 300, generator=g), torch.randn(5, 300, generator=g)
+    p = pg.pack(w)
+    batch = pg.linear(x, p, n)
+    for r in range(5):
+        assert torch.equal(pg.linear(x[r : r + 1], p, n)[0], batch[r])
+    torch.testing.assert_close(batch, F.linear(x, w), rtol=1e-4, atol=1e-4)
+
+
 def test_unavailable_without_a_compiler(monkeypatch):
     monkeypatch.setattr(pg.KERNEL, "tried", False)
     monkeypatch.setattr(pg.KERNEL, "lib", None)

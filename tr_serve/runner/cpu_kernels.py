@@ -62,7 +62,8 @@ PREPACKED = ("onednn", "panel")  # kernels that keep a repacked copy of every we
 # prompt tokens (one to four prompts) took 1.01-1.22x as long with torch's linear as with the panel GEMM
 POINTS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 256, 512)
 PACK_HINT = 8  # oneDNN picks its weight layout for this many rows; measured flat from 3 to 16 here
-PLAN_VERSION = 10  # part of the cache key: plans measured by older code (one noisy run each) are measured again
+PLAN_VERSION = 11  # part of the cache key: plans measured by older code (one noisy run each) are measured again
+# (11: the panel GEMM's one-row path got faster, so plans that padded one row to two are measured again)
 ROUNDS = 5  # interleaved timing rounds per (count, kernel); the minimum is kept
 CONTENDER = 1.5  # after two rounds, kernels slower than this times the best at a count stop being timed there
 RECHECK = 1.10  # a count whose best time exceeds a larger count's by this factor is measured again
