@@ -11,6 +11,7 @@ from transformers.models.llama.modeling_llama import LlamaRMSNorm, apply_rotary_
 from tr_serve.runner import layer_ops as lo
 from tr_serve.runner import native
 from tr_serve.runner.model_runner import ModelRunner
+from tests.tiny_model import small_llama
 
 needs_kernel = pytest.mark.skipif(not lo.available(), reason="no C compiler or torch without libgomp here")
 
@@ -87,14 +88,6 @@ def test_unavailable_without_a_compiler(monkeypatch):
         lo.silu_mul(torch.randn(1, 16), torch.randn(1, 16))
 
 
-def _small_llama():
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
-    config._attn_implementation = "sdpa"
-    return LlamaForCausalLM(config).eval().requires_grad_(False)
 
 
 def _prefill_and_verify(runner: ModelRunner):
@@ -111,7 +104,7 @@ def _prefill_and_verify(runner: ModelRunner):
 def test_runner_forwards_with_layer_ops_match_torch_ops(monkeypatch):
     """Prefill (torch's attention over segments) and a ragged verify (native tree attention) give
     the logits of torch's layer operations up to rounding."""
-    model = _small_llama()
+    model = small_llama()
     runner = ModelRunner(model, 4, 96)
     assert runner.layer_ops
     calls = []
@@ -131,5 +124,5 @@ def test_runner_keeps_torch_ops_where_the_kernel_is_off(monkeypatch, tokenizer):
     monkeypatch.setattr(lo.KERNEL, "tried", False)
     monkeypatch.setattr(lo.KERNEL, "lib", None)
     monkeypatch.setenv("TR_SERVE_LAYER_OPS", "0")
-    assert ModelRunner(_small_llama(), 1, 16).layer_ops is False
-    assert ModelRunner(_small_llama(), 1, 16, tree_attention_enabled=False).layer_ops is False
+    assert ModelRunner(small_llama(), 1, 16).layer_ops is False
+    assert ModelRunner(small_llama(), 1, 16, tree_attention_enabled=False).layer_ops is False

@@ -147,7 +147,8 @@ def test_segments_attend_each_row_as_it_would_alone():
     mask = build_step_mask(starts, local, cache.step_kv_len, torch.float32)
     t = sum(widths)
     q, k, v = torch.randn(1, heads, t, d), torch.randn(1, kv_heads, t, d), torch.randn(1, kv_heads, t, d)
-    out = llama_body._attend_segments(cache.layers[0], segments, q, k, v, mask, 0.3)  # [1, t, heads * d]
+    cache.layers[0].write_packed(k[0].transpose(0, 1), v[0].transpose(0, 1))
+    out = llama_body._attend_segments(cache.layers[0], segments, q, mask, 0.3)  # [1, t, heads * d]
     p = 0
     for i, (row, w) in enumerate(zip(rows.tolist(), widths)):
         start = int(starts[i])

@@ -8,6 +8,7 @@ import torch
 from tr_serve.runner import native
 from tr_serve.runner import tree_attention as ta
 from tr_serve.runner.model_runner import ModelRunner
+from tests.tiny_model import small_llama
 
 needs_kernel = pytest.mark.skipif(ta.load() is None, reason="no C compiler or torch without libgomp here")
 
@@ -92,7 +93,7 @@ def test_shapes_it_takes():
 def test_runner_verify_with_native_attention_matches_torch_attention(tokenizer):
     """A ragged verify (three rows, widths 1-4, a gap in the rows) through the runner gives the
     same logits with the native kernel as with torch's attention, up to summation order."""
-    model = _small_llama()
+    model = small_llama()
     out = []
     for native_attention in (True, False):
         runner = ModelRunner(model, 4, 64, tree_attention_enabled=native_attention)
@@ -113,7 +114,7 @@ def test_a_step_of_several_rows_takes_the_kernel_past_one_rows_width(tokenizer, 
     A single row that wide keeps torch's attention, which shares each key block across queries."""
     assert ta.takes(2, 20) and ta.takes(16, ta.MAX_WIDTH_ROWS) and not ta.takes(2, ta.MAX_WIDTH_ROWS + 1)
     assert not ta.takes(1, 17) and ta.takes(1, 16)
-    model = _small_llama()
+    model = small_llama()
     calls = []
     attend = ta.attend
     monkeypatch.setattr(ta, "attend", lambda *a, **k: calls.append(a[3].visible.shape) or attend(*a, **k))
@@ -133,14 +134,3 @@ def test_a_step_of_several_rows_takes_the_kernel_past_one_rows_width(tokenizer, 
     assert calls == []  # the last run, torch's attention, made no call
     assert out[0].shape == (21, 512)
     torch.testing.assert_close(out[0], out[1], rtol=1e-4, atol=1e-4)
-
-
-def _small_llama():
-    """A 2-layer random Llama with grouped key/value heads of size 16 (the kernel's shapes)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
-    config._attn_implementation = "sdpa"
-    return LlamaForCausalLM(config).eval().requires_grad_(False)

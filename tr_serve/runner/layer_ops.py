@@ -33,28 +33,9 @@ import torch
 
 from tr_serve.runner import native
 
-SOURCE = r"""
-#pragma GCC optimize("fp-contract=off")
-#include <stdint.h>
-#include <string.h>
-#include <math.h>
-
-typedef float v16 __attribute__((vector_size(64)));
-typedef int32_t i16 __attribute__((vector_size(64)));
-
-static inline v16 load16(const float *p) { v16 v; memcpy(&v, p, sizeof v); return v; }
-static inline void store16(float *p, v16 v) { memcpy(p, &v, sizeof v); }
-static inline v16 splat(float x) { return (v16){0} + x; }
+# without contracted multiply-adds: the rotary embedding's products and sums round as torch's do
+SOURCE = '#pragma GCC optimize("fp-contract=off")\n' + native.VECTOR_PRELUDE + r"""
 static inline v16 pick(i16 m, v16 a, v16 b) { return (v16)(((i16)a & m) | ((i16)b & ~m)); } /* m ? a : b */
-
-/* sum of the 16 lanes, halves folded in a fixed order */
-static inline float hsum(v16 a) {
-    a += __builtin_shuffle(a, (i16){8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7});
-    a += __builtin_shuffle(a, (i16){4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11});
-    a += __builtin_shuffle(a, (i16){2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13});
-    a += __builtin_shuffle(a, (i16){1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14});
-    return a[0];
-}
 
 /* exp(x) (Cephes expf): 0 below -87.3, +inf above 88.72, NaN stays NaN */
 static inline v16 vexp(v16 x) {

@@ -99,7 +99,8 @@ def _build(model) -> Callable | None:
                 slot.write_packed(k[0].transpose(0, 1), v[0].transpose(0, 1))
                 o = tree_attention.attend(q[0].transpose(0, 1), slot.keys, slot.values, queries, attn.scaling)[None]
             elif segments is not None:
-                o = _attend_segments(cache.layers[i], segments, q, k, v, mask, attn.scaling)
+                cache.layers[i].write_packed(k[0].transpose(0, 1), v[0].transpose(0, 1))
+                o = _attend_segments(cache.layers[i], segments, q, mask, attn.scaling)
             else:
                 if real is not None:
                     q, k, v = (_unpack(y, real, b, s) for y in (q, k, v))
@@ -135,8 +136,8 @@ def _native_layers(layers, final_norm, h: torch.Tensor, cos: torch.Tensor, sin: 
         if queries is not None:
             o = tree_attention.attend(q, slot.keys, slot.values, queries, attn.scaling)[None]
         else:
-            o = _attend_segments(slot, segments, q.transpose(0, 1).contiguous()[None], None, None, mask,
-                                 attn.scaling, kv_heads=k.shape[1])  # [1, heads, t, d], as torch's rotary gave it
+            # [1, heads, t, d], contiguous as torch's rotary embedding gave it (strided was slower)
+            o = _attend_segments(slot, segments, q.transpose(0, 1).contiguous()[None], mask, attn.scaling)
         post = layer.post_attention_layernorm
         x = layer_ops.add_rms_norm(h, attn.o_proj(o), post.weight, post.variance_epsilon)
         mlp = layer.mlp
@@ -164,15 +165,11 @@ def supports_layer_ops(model) -> bool:
         type(layer.mlp).__name__ == "LlamaMLP" for layer in inner.layers)
 
 
-def _attend_segments(layer, segments, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None,
-                     mask: torch.Tensor, scale: float, kv_heads: int | None = None) -> torch.Tensor:
-    """Packed q/k/v [1, heads, t, d] of the step's real tokens: write k/v into the layer's cache
-    slots (None: already written; then ``kv_heads`` says how many), attend one segment at a time at
-    its own width over a view of its rows' cache. Returns [1, t, heads * d] in the packed order."""
-    if k is not None:
-        layer.write_packed(k[0].transpose(0, 1), v[0].transpose(0, 1))
-        kv_heads = k.shape[1]
-    gqa = q.shape[1] != kv_heads
+def _attend_segments(layer, segments, q: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
+    """Packed queries [1, heads, t, d] of the step's real tokens, whose keys and values are in the
+    layer's cache slots already: attend one segment at a time at its own width over a view of its
+    rows' cache. Returns [1, t, heads * d] in the packed order."""
+    gqa = q.shape[1] != layer.keys.shape[1]
     outs = []
     for seg in segments:
         n, w = seg.batch_end - seg.batch_start, seg.width

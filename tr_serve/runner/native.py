@@ -25,6 +25,32 @@ logger = logging.getLogger(__name__)
 
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11")
 
+# What the vector kernels share: 16-float vectors (GCC vector extensions), unaligned loads and
+# stores, a broadcast, and a sum of the lanes in a fixed order (so a kernel's sums do not depend on
+# how the compiler schedules them).
+VECTOR_PRELUDE = r"""
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <math.h>
+
+typedef float v16 __attribute__((vector_size(64)));
+typedef int32_t i16 __attribute__((vector_size(64)));
+
+static inline v16 load16(const float *p) { v16 v; memcpy(&v, p, sizeof v); return v; }
+static inline void store16(float *p, v16 v) { memcpy(p, &v, sizeof v); }
+static inline v16 splat(float x) { return (v16){0} + x; }
+
+/* sum of the 16 lanes, halves folded in a fixed order */
+static inline float hsum(v16 a) {
+    a += __builtin_shuffle(a, (i16){8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7});
+    a += __builtin_shuffle(a, (i16){4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11});
+    a += __builtin_shuffle(a, (i16){2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13});
+    a += __builtin_shuffle(a, (i16){1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14});
+    return a[0];
+}
+"""
+
 
 def compiler() -> str | None:
     """``$CC``, ``cc`` or ``gcc``, whichever is found first."""

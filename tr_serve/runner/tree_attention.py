@@ -49,27 +49,7 @@ def takes(rows: int, width: int, verify: bool = True) -> bool:
     return width <= MAX_WIDTH or (verify and rows > 1 and width <= MAX_WIDTH_ROWS)
 
 
-SOURCE = r"""
-#include <stdint.h>
-#include <stdlib.h>
-#include <string.h>
-#include <math.h>
-
-typedef float v16 __attribute__((vector_size(64)));
-typedef int32_t i16 __attribute__((vector_size(64)));
-
-static inline v16 load16(const float *p) { v16 v; memcpy(&v, p, sizeof v); return v; }
-static inline void store16(float *p, v16 v) { memcpy(p, &v, sizeof v); }
-static inline v16 splat(float x) { return (v16){0} + x; }
-
-/* sum of the 16 lanes, halves folded in a fixed order */
-static inline float hsum(v16 a) {
-    a += __builtin_shuffle(a, (i16){8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7});
-    a += __builtin_shuffle(a, (i16){4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11});
-    a += __builtin_shuffle(a, (i16){2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13});
-    a += __builtin_shuffle(a, (i16){1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14});
-    return a[0];
-}
+SOURCE = native.VECTOR_PRELUDE + r"""
 
 static inline v16 vmax(v16 a, v16 b) { i16 m = a < b; return (v16)(((i16)a & ~m) | ((i16)b & m)); }
 
