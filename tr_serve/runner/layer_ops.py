@@ -42,19 +42,7 @@ static inline v16 vexp(v16 x) {
     i16 low = x < splat(-87.33654f), high = x > splat(88.72283f);
     v16 c = pick(x < splat(-87.0f), splat(-87.0f), x);
     c = pick(c > splat(88.0f), splat(88.0f), c);
-    const float magic = 12582912.0f; /* 1.5 * 2^23: adding it rounds to an integer */
-    v16 t = c * 1.44269504088896341f + magic;
-    v16 n = t - magic;
-    v16 r = c - n * 0.693359375f;
-    r = r - n * -2.12194440e-4f;
-    v16 p = r * 1.9875691500e-4f + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * (r * r) + r + 1.0f;
-    i16 e = ((i16)t - (i16)splat(magic) + 127) << 23;
-    v16 y = p * (v16)e;
+    v16 y = exp_in_range(c);
     y = pick(low, splat(0.0f), y);
     return pick(high, splat(INFINITY), y);
 }

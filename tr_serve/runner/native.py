@@ -49,6 +49,23 @@ static inline float hsum(v16 a) {
     a += __builtin_shuffle(a, (i16){1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14});
     return a[0];
 }
+
+/* exp(x) for x in [-87, 88] (Cephes expf, about 1 ulp); the callers clamp and mask */
+static inline v16 exp_in_range(v16 x) {
+    const float magic = 12582912.0f; /* 1.5 * 2^23: adding it rounds to an integer */
+    v16 t = x * 1.44269504088896341f + magic;
+    v16 n = t - magic;
+    v16 r = x - n * 0.693359375f;
+    r = r - n * -2.12194440e-4f;
+    v16 p = r * 1.9875691500e-4f + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * (r * r) + r + 1.0f;
+    i16 e = ((i16)t - (i16)splat(magic) + 127) << 23;
+    return p * (v16)e;
+}
 """
 
 

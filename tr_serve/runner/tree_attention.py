@@ -57,19 +57,7 @@ static inline v16 vmax(v16 a, v16 b) { i16 m = a < b; return (v16)(((i16)a & ~m)
 static inline v16 vexp(v16 x) {
     i16 dead = x < splat(-87.0f);
     x = vmax(x, splat(-87.0f));
-    const float magic = 12582912.0f; /* 1.5 * 2^23: adding it rounds to an integer */
-    v16 t = x * 1.44269504088896341f + magic;
-    v16 n = t - magic;
-    v16 r = x - n * 0.693359375f;
-    r = r - n * -2.12194440e-4f;
-    v16 p = r * 1.9875691500e-4f + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * (r * r) + r + 1.0f;
-    i16 e = ((i16)t - (i16)splat(magic) + 127) << 23;
-    return (v16)((i16)(p * (v16)e) & ~dead);
+    return (v16)((i16)exp_in_range(x) & ~dead);
 }
 
 /* a[j] = lane partials of key j's dot product: the 16 sums, in key order, in one vector. Four levels
