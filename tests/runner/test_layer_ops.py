@@ -23,11 +23,12 @@ def test_add_rms_norm_is_the_residual_add_then_llamas_rms_norm():
     norm.weight.data = torch.rand(576, generator=g) + 0.5
     wide = torch.randn(40, 700, generator=g)
     h = wide[:, :576]  # rows 700 floats apart
+    beside = wide[:, 576:].clone()
     delta = torch.randn(40, 576, generator=g) * 3
     want_h = h + delta
     got = lo.add_rms_norm(h, delta, norm.weight, norm.variance_epsilon)
     assert torch.equal(h, want_h)  # added in place, exactly
-    assert torch.equal(wide[:, 576:], wide[:, 576:])  # (the columns beside the rows stay as they were)
+    assert torch.equal(wide[:, 576:], beside)  # the columns beside the rows stay as they were
     torch.testing.assert_close(got, norm(want_h), rtol=2e-6, atol=1e-6)
     assert not torch.equal(got, h)
     again = lo.add_rms_norm(want_h.clone(), None, norm.weight, norm.variance_epsilon)  # no delta: the norm alone
