@@ -80,8 +80,9 @@ def test_fleet_warm_replica_beats_cold_and_outputs_are_identical(ray_local, load
     cfg = fleet_config(tmp_path, sync_interval_s=0.5)
     tok = loaded.tokenizer
 
-    def engine(tree: str) -> AsyncEngine:
-        return AsyncEngine(Engine(loaded, EngineConfig(tree=tree, max_num_seqs=2, max_model_len=512)))
+    def engine(tree: str) -> AsyncEngine:  # without the matrix prior: the fleet's warm start against an empty matrix
+        return AsyncEngine(Engine(loaded, EngineConfig(tree=tree, max_num_seqs=2, max_model_len=512,
+                                                       matrix_prior=False)))
 
     a, b, cold, plain = engine("top16"), engine("top16"), engine("top16"), engine("none")
     ids = lambda text: encode_prompt(tok, [{"role": "user", "content": text}])  # noqa: E731
@@ -264,10 +265,11 @@ def test_foreign_matrix_is_refused_and_stop_writes_a_final_snapshot(ray_local, t
         assert result["pushed"] > 0 and result["error"] is None
         # same model id and namespace, another K: refused with a reason, nothing adopted
         sync_k = MatrixSync(other_k, cfg, model_id=model_id, tokenizer=tokenizer)
+        before = other_k.engine.matrix.table.clone()  # its matrix prior
         with caplog.at_level(logging.WARNING, logger="tr_serve.fleet"):
             result = await sync_k.sync_once()
         assert result["error"].startswith("identity_mismatch") and "k: actor 8 vs replica 4" in result["error"]
-        assert other_k.engine.matrix.num_filled_rows() == 0
+        assert torch.equal(other_k.engine.matrix.table, before)  # nothing adopted
         assert any("own fleet namespace" in r.getMessage() for r in caplog.records)
         return (await get_actor(model_id, cfg.namespace).info.remote())
 

@@ -113,6 +113,8 @@ def test_push_adopt_reapply_and_own_only_rounds(setup):
         r = await sb.sync_once()
         assert r["pushed"] == 1 and r["version"] == 2 and r["adopted"] == 2
         assert row(eb, 1) == row1 and row(eb, 2) == row2 and row(eb, 3) == list(range(30, 38))
+        # rows nobody learned keep each replica's matrix prior (the same model's): never pushed, never erased
+        assert row(eb, 5) == row(ea, 5) and EMPTY not in row(eb, 5)
         assert eb.matrix.take_dirty_rows().tolist() == []  # adoption does not make fleet rows "ours"
         # only B changed since: B's next push needs no fetch
         calls = actor.snapshot_calls

@@ -142,19 +142,34 @@ def test_rows_are_a_copy_of_the_table_rows():
 
 def test_adopt_takes_the_table_and_keeps_the_given_rows():
     m = AdjacencyMatrix(vocab_size=6, k=2)
-    m.recycle(torch.tensor([1]), torch.arange(6.0).reshape(1, 6))  # row 1 = [5, 4], dirty
+    m.recycle(torch.tensor([1, 2]), torch.arange(12.0).reshape(2, 6))  # rows 1, 2 = [5, 4], dirty
     snapshot = torch.full((6, 2), EMPTY, dtype=torch.int32)
     snapshot[2] = torch.tensor([0, 1], dtype=torch.int32)
     snapshot[3] = torch.tensor([4, 5], dtype=torch.int32)
     m.adopt(snapshot, keep_ids=torch.tensor([3]), keep_rows=torch.tensor([[2, 3]], dtype=torch.int32))
-    assert m.table[1].tolist() == [EMPTY, EMPTY]  # not in the snapshot, not kept
-    assert m.table[2].tolist() == [0, 1] and m.table[3].tolist() == [2, 3]
-    assert m.take_dirty_rows().tolist() == [1]  # adopting marks nothing as changed here
+    assert m.table[1].tolist() == [5, 4]  # the snapshot holds nothing for it: ours stays
+    assert m.table[2].tolist() == [0, 1] and m.table[3].tolist() == [2, 3]  # the snapshot's, then the kept
+    assert m.table[0].tolist() == [EMPTY, EMPTY]
+    assert m.take_dirty_rows().tolist() == [1, 2]  # adopting marks nothing as changed here
     snapshot[2, 0] = 5
     assert m.table[2].tolist() == [0, 1]  # a copy, not the snapshot itself
     with pytest.raises(ValueError, match="shape"):
         m.adopt(torch.zeros(5, 2, dtype=torch.int32))
 
+
+
+def test_seed_fills_only_empty_rows_and_marks_nothing_dirty():
+    m = AdjacencyMatrix(vocab_size=6, k=2)
+    m.recycle(torch.tensor([1]), torch.arange(6.0).reshape(1, 6))  # row 1 = [5, 4], dirty
+    m.take_dirty_rows()
+    prior = torch.arange(12, dtype=torch.int32).reshape(6, 2) % 6
+    assert m.seed(prior) == 5
+    assert m.table[1].tolist() == [5, 4]  # learned rows are kept
+    assert m.table[0].tolist() == [0, 1] and m.table[5].tolist() == [4, 5]
+    assert m.take_dirty_rows().tolist() == []
+    assert m.seed(torch.zeros(6, 2, dtype=torch.int32)) == 0  # nothing empty is left
+    with pytest.raises(ValueError, match="shape"):
+        m.seed(torch.zeros(5, 2, dtype=torch.int32))
 
 
 def test_recycling_the_last_occurrences_equals_recycling_every_position():

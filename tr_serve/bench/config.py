@@ -13,6 +13,7 @@ from tr_serve.engine.config import CPU_KERNEL_MODES, DEFAULT_MODEL
 
 DEFAULT_JSON = os.path.join("bench_out", "bench.json")
 SEEDING_MODES = ("default", "on", "off", "both")
+PRIOR_MODES = ("on", "off", "both")
 
 
 @dataclass
@@ -24,6 +25,7 @@ class BenchConfig:
     model: str = DEFAULT_MODEL
     json_out: str = DEFAULT_JSON
     prompt_seeding: str = "default"
+    matrix_prior: str = "on"  # EngineConfig.matrix_prior of tr:*; "both": tr:<tree> with it, tr:<tree>-noprior without
     pld: bool = True  # same-runner prompt lookup (engine tree "pld")
     hf: bool = True  # transformers' generate: hf-greedy and hf-pld
     warmup: int = 1
@@ -49,6 +51,8 @@ class BenchConfig:
             raise BenchError(f"--cpu-kernels must be 'auto' or 'torch', got {self.cpu_kernels!r}")
         if self.prompt_seeding not in SEEDING_MODES:
             raise BenchError(f"--prompt-seeding must be one of {', '.join(SEEDING_MODES)}, got {self.prompt_seeding!r}")
+        if self.matrix_prior not in PRIOR_MODES:
+            raise BenchError(f"--matrix-prior must be one of {', '.join(PRIOR_MODES)}, got {self.matrix_prior!r}")
         if not self.trees:
             raise BenchError("give at least one --tree")
         seen = set()

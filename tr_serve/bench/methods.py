@@ -28,6 +28,7 @@ class Method:
     kind: str  # "baseline", "tr", "pld" (engine methods) or "hf" (transformers' generate)
     tree: str | None = None  # engine tree setting
     prompt_seeding: bool | None = None  # EngineConfig.prompt_seeding (None: the engine's default)
+    matrix_prior: bool = True  # EngineConfig.matrix_prior
     reference: str = "baseline"  # the method whose tokens/s is the denominator of this one's speedup
     lookup: int = 0  # hf: prompt_lookup_num_tokens, 0 for plain greedy
     llm: Any = None
@@ -43,9 +44,12 @@ def build_methods(cfg: BenchConfig) -> list[Method]:
     for spec in (t.strip() for t in cfg.trees):
         # tr:<tree> runs as the engine does by default unless seeding is forced on or off
         seeding = {"default": None, "on": True, "off": False, "both": True}[cfg.prompt_seeding]
-        methods.append(Method(f"tr:{spec}", "tr", tree=spec, prompt_seeding=seeding))
+        prior = cfg.matrix_prior != "off"
+        methods.append(Method(f"tr:{spec}", "tr", tree=spec, prompt_seeding=seeding, matrix_prior=prior))
         if cfg.prompt_seeding == "both":
-            methods.append(Method(f"tr:{spec}-noseed", "tr", tree=spec, prompt_seeding=False))
+            methods.append(Method(f"tr:{spec}-noseed", "tr", tree=spec, prompt_seeding=False, matrix_prior=prior))
+        if cfg.matrix_prior == "both":
+            methods.append(Method(f"tr:{spec}-noprior", "tr", tree=spec, prompt_seeding=seeding, matrix_prior=False))
     if cfg.pld:
         methods.append(Method("pld", "pld", tree="pld"))
     if cfg.hf:

@@ -75,7 +75,8 @@ def _start_engines(methods: list[Method], cfg: BenchConfig, loaded, device: str,
             continue
         try:
             m.llm = LLM(model=cfg.model, tree=m.tree, k=cfg.k, loaded=loaded, max_num_seqs=1,
-                        max_model_len=max_model_len, prompt_seeding=m.prompt_seeding, device=device,
+                        max_model_len=max_model_len, prompt_seeding=m.prompt_seeding,
+                        matrix_prior=m.matrix_prior, device=device,
                         cpu_kernels=cfg.cpu_kernels)
         except ValueError as e:  # a tree setting the engine refuses
             raise BenchError(f"method {m.name}: {e}") from None
@@ -139,6 +140,7 @@ def _result(cfg: BenchConfig, loaded, device: str, methods: list[Method], chosen
         "max_new_tokens": cfg.max_new_tokens,
         "per_category": cfg.per_category,
         "prompt_seeding": cfg.prompt_seeding,
+        "matrix_prior": cfg.matrix_prior,
         "k": cfg.k,
         "hf_pld_num_tokens": HF_PLD_NUM_TOKENS if cfg.hf else None,
         **environment(base_llm.engine.runner.kernel_plan, cfg.cpu_kernels),

@@ -38,6 +38,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="seed the TR matrix from the prompt's logits: as the engine does by default (fixed "
                         "templates do, auto does not), forced on or off, or 'both': tr:<tree> seeded and "
                         "tr:<tree>-noseed not, per tree (default: default)")
+    p.add_argument("--matrix-prior", choices=("on", "off", "both"), default="on",
+                   help="start each tr:* matrix from the model's own top-k after [BOS, token] (as the engine does "
+                        "by default), without it, or 'both': tr:<tree> with it and tr:<tree>-noprior without (default: on)")
     p.add_argument("--cpu-kernels", choices=CPU_KERNEL_MODES, default="auto",
                    help="linear kernels of the engine methods (baseline, tr:*, pld) on CPU: the fastest measured "
                         "per token count, or torch's own (default: auto; hf-* always run torch's own)")
@@ -60,7 +63,7 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
     return BenchConfig(
         questions=args.questions, per_category=args.per_category, max_new_tokens=args.max_new_tokens,
         trees=tuple(args.trees or ("2.2.2",)), model=args.model, json_out=args.json_out,
-        prompt_seeding=args.prompt_seeding, pld=args.pld, hf=args.hf, warmup=args.warmup, device=args.device,
+        prompt_seeding=args.prompt_seeding, matrix_prior=args.matrix_prior, pld=args.pld, hf=args.hf, warmup=args.warmup, device=args.device,
         dtype=args.dtype, k=args.k, time_split=args.time_split, threads=args.threads,
         cpu_kernels=args.cpu_kernels,
     )

@@ -39,6 +39,10 @@ class EngineConfig:
     # paper's method) do not (Engine.uses_pairs); pair_table_slots: the table's size, a power of two
     pair_table: bool | None = None
     pair_table_slots: int = DEFAULT_SLOTS
+    # start the matrix's empty rows from the model's own top-k after [BOS, token]
+    # (runner/matrix_prior.py: computed once per model, then read from the user cache); in-process
+    # runners only (a tensor-parallel replica starts from the fleet's snapshot)
+    matrix_prior: bool = True
     max_prefill_tokens: int = 512  # prompt tokens per prefill step (chunked prefill)
     kv_cache_memory_gb: float | None = None  # caps rows x max_model_len; None = max_num_seqs rows
     budget: str = "fixed"

@@ -76,6 +76,8 @@ class Engine:
             self.runner, self.num_rows = runner(max_len)
         vocab = self.runner.vocab_size
         self.matrix = matrix if matrix is not None else AdjacencyMatrix(vocab, config.k, device=self.runner.device)
+        if self.spec.uses_matrix and config.matrix_prior and runner is None:
+            self._seed_prior(loaded, vocab)
         self.pairs = (PairTable(vocab, config.k, config.pair_table_slots, device=self.matrix.device)
                       if self.uses_pairs else None)
         self.timer = timer or PhaseTimer(self.runner.device, enabled=False)
@@ -89,6 +91,14 @@ class Engine:
                 latency = StepLatency(load_or_measure(self.runner, loaded.model_id, max_q))
             self.drafter = Drafter(self.spec, template, self.matrix, latency, self.pairs)
         self.scheduler = Scheduler(self.num_rows, config.max_prefill_tokens)
+
+    def _seed_prior(self, loaded: LoadedModel, vocab: int) -> None:
+        """Fill the matrix's empty rows with the model's prior (runner/matrix_prior.py); a matrix
+        handed in keeps every row it has learned."""
+        from tr_serve.runner.matrix_prior import load_or_compute
+
+        bos = getattr(loaded.tokenizer, "bos_token_id", None)
+        self.matrix.seed(load_or_compute(loaded.model, loaded.model_id, vocab, self.config.k, bos))
 
     # ---- the scheduler's state, for tests and tools ----------------------------------------------
     @property

@@ -130,13 +130,27 @@ class AdjacencyMatrix:
               keep_rows: torch.Tensor | None = None) -> None:
         """Take over ``table`` [vocab, k] (the fleet's snapshot, another matrix's table), then write
         ``keep_rows`` [n, k] back at ``keep_ids`` [n] (this replica's own rows the snapshot does not
-        hold yet). A pinned CPU ``table`` is copied asynchronously on CUDA. The dirty set is left as
-        it is: adopted rows are not this matrix's changes to push."""
+        hold yet). A row the snapshot holds nothing for (EMPTY) keeps this matrix's: an empty row
+        carries no information, and the matrix may hold a prior there (runner/matrix_prior.py).
+        A pinned CPU ``table`` is copied asynchronously on CUDA. The dirty set is left as it is:
+        adopted rows are not this matrix's changes to push."""
         if tuple(table.shape) != tuple(self.table.shape):
             raise ValueError(f"cannot adopt a table of shape {tuple(table.shape)} into {tuple(self.table.shape)}")
-        self.table.copy_(table, non_blocking=table.is_pinned())
+        table = table.to(self.table.device, non_blocking=table.is_pinned())
+        own = table[:, 0] == EMPTY  # rows the snapshot holds nothing for keep ours (a prior's, say)
+        self.table.copy_(torch.where(own[:, None], self.table, table))
         if keep_ids is not None and keep_ids.numel():
             self.table[keep_ids.to(self.table.device)] = keep_rows.to(self.table.device)
+
+    def seed(self, prior: torch.Tensor) -> int:
+        """Fill the rows that hold nothing yet (EMPTY) from ``prior`` [vocab, k]; rows already learned
+        are kept. Not marked dirty: a prior is every replica's own starting point, not a change for
+        the fleet. Returns how many rows were filled."""
+        if tuple(prior.shape) != tuple(self.table.shape):
+            raise ValueError(f"cannot seed a table of shape {tuple(self.table.shape)} from {tuple(prior.shape)}")
+        empty = self.table[:, 0] == EMPTY
+        self.table[empty] = prior.to(self.table.device, torch.int32)[empty]
+        return int(empty.sum())
 
     def take_dirty_rows(self) -> torch.Tensor:
         """Ids of rows changed since the last call (and clear the set)."""

@@ -1,0 +1,84 @@
+"""The matrix prior: the model's own top-k after [BOS, token], computed once and cached."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.tiny_model import tiny_loaded
+from tr_serve.engine.config import EngineConfig
+from tr_serve.engine.engine import Engine
+from tr_serve.runner import matrix_prior
+from tr_serve.runner.matrix_prior import first_token_top_k, load_or_compute
+from tr_serve.tr.matrix import EMPTY, AdjacencyMatrix
+
+
+def _reference(model, vocab: int, k: int, bos: int | None) -> torch.Tensor:
+    """The top-k logit values after [bos, t] (or [t]) for every t, from one plain forward each."""
+    ids = torch.arange(vocab)[:, None]
+    if bos is not None:
+        ids = torch.cat([torch.full_like(ids, bos), ids], dim=1)
+    with torch.inference_mode():
+        return model(input_ids=ids).logits[:, -1]
+
+
+@pytest.mark.parametrize("bos", [1, None])
+def test_rows_are_the_models_top_k_after_bos_and_the_token(tokenizer, bos):
+    loaded = tiny_loaded(tokenizer, seed=3)
+    vocab, k = 512, 4
+    rows = first_token_top_k(loaded.model, vocab, k, bos, batch=100)  # 6 batches, the last one short
+    assert rows.shape == (vocab, k) and rows.dtype == torch.int32
+    logits = _reference(loaded.model, vocab, k, bos)
+    want = logits.topk(k, dim=-1).values
+    got = logits.gather(1, rows.long())  # the logits of the chosen ids: the k largest, in order
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert (rows[:, 0].long() == logits.argmax(dim=-1)).float().mean() > 0.99  # (ties aside) the argmax first
+
+
+def test_the_prior_is_computed_once_then_read_from_the_cache(tokenizer, tmp_path, monkeypatch):
+    monkeypatch.setenv("TR_SERVE_CACHE", str(tmp_path))
+    loaded = tiny_loaded(tokenizer, seed=3)
+    first = load_or_compute(loaded.model, "tiny", 512, 4, 1)
+    assert len(list((tmp_path / "matrix_prior").glob("*.pt"))) == 1
+
+    def fail(*a, **k):
+        raise AssertionError("computed again")
+
+    monkeypatch.setattr(matrix_prior, "first_token_top_k", fail)
+    assert torch.equal(load_or_compute(loaded.model, "tiny", 512, 4, 1), first)
+    with pytest.raises(AssertionError, match="computed again"):  # other weights under the same name
+        load_or_compute(tiny_loaded(tokenizer, seed=4).model, "tiny", 512, 4, 1)
+
+
+def test_a_malformed_cached_prior_is_computed_again(tokenizer, tmp_path, monkeypatch):
+    monkeypatch.setenv("TR_SERVE_CACHE", str(tmp_path))
+    loaded = tiny_loaded(tokenizer, seed=3)
+    first = load_or_compute(loaded.model, "tiny", 512, 4, 1)
+    (path,) = (tmp_path / "matrix_prior").glob("*.pt")
+    for bad in (b"not a tensor", None):
+        if bad is None:
+            torch.save(torch.full((512, 4), 600, dtype=torch.int32), path)  # ids past the vocabulary
+        else:
+            path.write_bytes(bad)
+        assert torch.equal(load_or_compute(loaded.model, "tiny", 512, 4, 1), first)
+
+
+def test_the_engine_seeds_a_fresh_matrix_only_where_it_drafts_from_one(tokenizer, tmp_path, monkeypatch):
+    monkeypatch.setenv("TR_SERVE_CACHE", str(tmp_path))
+    loaded = tiny_loaded(tokenizer, seed=3)
+
+    def engine(tree: str, **kw) -> Engine:
+        return Engine(loaded, EngineConfig(model="tiny", tree=tree, max_num_seqs=1, max_model_len=64, **kw))
+
+    prior = load_or_compute(loaded.model, "tiny", 512, 8, tokenizer.bos_token_id)
+    seeded = engine("top4").matrix
+    assert torch.equal(seeded.table, prior)
+    assert seeded.take_dirty_rows().numel() == 0  # nothing for the fleet to push
+    assert engine("top4", matrix_prior=False).matrix.num_filled_rows() == 0
+    assert engine("pld").matrix.num_filled_rows() == 0  # no matrix to draft from
+    assert engine("none").matrix.num_filled_rows() == 0
+    kept = AdjacencyMatrix(512, 8)
+    kept.table[7] = torch.arange(8, dtype=torch.int32)
+    e = Engine(loaded, EngineConfig(model="tiny", tree="auto", max_num_seqs=1, max_model_len=64), matrix=kept)
+    assert e.matrix is kept and kept.table[7].tolist() == list(range(8))  # a learned row is kept
+    assert torch.equal(kept.table[8:], prior[8:]) and (kept.table != EMPTY).all()

@@ -1,0 +1,112 @@
+"""A fresh matrix's first rows from the model itself: for every token ``t``, the model's top-k next
+tokens after ``[BOS, t]`` (``t`` alone when the tokenizer has no BOS).
+
+Why: the matrix learns a token's row only once that token has been decoded, so a fresh replica
+drafts nothing after most tokens for its first thousands of tokens. This prior is what the model
+predicts after the token with no other context: no training and no data, one forward per
+vocabulary token (batched over the BOS's cached keys), computed once per model and kept in the
+user cache. Recycling overwrites a row the first time its token is verified, so a warm matrix is
+unchanged by it; the fleet's snapshot never erases it (``AdjacencyMatrix.adopt`` keeps a row
+the snapshot holds nothing for). Drafts never change the output, so neither can the prior.
+
+Measured (SmolLM2-135M, ``tree: auto``, 2 threads, 13 dev questions x 128 tokens after one
+warm-up question, side by side): see the README's "matrix prior" section.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import logging
+import os
+from pathlib import Path
+
+import torch
+
+from tr_serve.model_loader import cache_root
+
+logger = logging.getLogger(__name__)
+
+PRIOR_VERSION = 1  # bump when the way rows are computed changes: cached priors are computed again
+
+
+def weights_fingerprint(model) -> str:
+    """A sample of the first and last parameters' values: two models under one name (random test
+    models, a checkpoint written again) do not share a prior."""
+    params = list(model.parameters())
+    h = hashlib.sha256()
+    for p in (params[0], params[-1]):
+        flat = p.detach().reshape(-1)
+        h.update(flat[:: max(1, flat.numel() // 4096)].float().cpu().numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+def prior_key(model, model_id: str, vocab: int, k: int, bos: int | None) -> str:
+    dtype = next(model.parameters()).dtype
+    raw = f"{model_id}|{weights_fingerprint(model)}|{dtype}|{vocab}|{k}|{bos}|v{PRIOR_VERSION}"
+    return hashlib.sha256(raw.encode()).hexdigest()[:20]
+
+
+@torch.inference_mode()
+def first_token_top_k(model, vocab: int, k: int, bos: int | None, batch: int = 512) -> torch.Tensor:
+    """[vocab, k] int32 on the CPU: row t = the model's k likeliest tokens after ``[bos, t]``.
+
+    One forward per ``batch`` tokens, each a one-token query over the BOS's cached keys and
+    values (the BOS is run once), so the cost is one token's forward per vocabulary entry."""
+    from transformers import DynamicCache
+
+    device = next(model.parameters()).device
+    prefix = None
+    if bos is not None:
+        prefix = DynamicCache(config=model.config)
+        model(input_ids=torch.tensor([[bos]], device=device), cache=prefix)
+    rows = []
+    for start in range(0, vocab, batch):
+        ids = torch.arange(start, min(start + batch, vocab), device=device)
+        if prefix is None:
+            logits = model(input_ids=ids[:, None]).logits[:, -1]
+        else:
+            cache = copy.deepcopy(prefix)
+            cache.batch_repeat_interleave(len(ids))
+            positions = torch.ones(len(ids), 1, dtype=torch.long, device=device)
+            logits = model(input_ids=ids[:, None], cache=cache, position_ids=positions).logits[:, -1]
+        rows.append(torch.topk(logits[:, :vocab].float(), k, dim=-1).indices.to("cpu", torch.int32))
+    return torch.cat(rows)
+
+
+def _cache_path(key: str) -> Path:
+    return cache_root() / "matrix_prior" / f"{key}.pt"
+
+
+def _load(path: Path, vocab: int, k: int) -> torch.Tensor | None:
+    if not path.exists():
+        return None
+    try:
+        table = torch.load(path, weights_only=True)
+    except Exception as e:  # a torn or foreign file: computed again
+        logger.warning("ignoring unreadable matrix prior %s: %s", path, e)
+        return None
+    if (not isinstance(table, torch.Tensor) or table.dtype != torch.int32 or tuple(table.shape) != (vocab, k)
+            or bool(((table < 0) | (table >= vocab)).any())):
+        logger.warning("ignoring malformed matrix prior %s", path)
+        return None
+    return table
+
+
+def load_or_compute(model, model_id: str, vocab: int, k: int, bos: int | None) -> torch.Tensor:
+    """The prior of ``model`` from the user cache, or computed (and cached: a cache that cannot be
+    written only costs the computation next time)."""
+    path = _cache_path(prior_key(model, model_id, vocab, k, bos))
+    table = _load(path, vocab, k)
+    if table is not None:
+        return table
+    logger.info("computing the matrix prior of %s (%d tokens, once; cached in %s)", model_id, vocab, path)
+    table = first_token_top_k(model, vocab, k, bos)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        torch.save(table, tmp)
+        tmp.replace(path)
+    except OSError as e:
+        logger.warning("could not cache the matrix prior in %s: %s", path, e)
+    return table
