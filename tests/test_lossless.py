@@ -16,7 +16,7 @@ from tr_serve.llm import encode_prompt
 SPEC_BENCH = SPEC_BENCH_DEV  # packaged with tr_serve (tr_serve/data)
 NEW_TOKENS = 64
 NUM_PROMPTS = 12  # hot-matrix runs
-NUM_COLD = 4  # cold-matrix prompts: the hot run's first prompt plus NUM_COLD - 1 fresh engines
+NUM_COLD = 4  # prompts 1..NUM_COLD-1 each through a fresh engine with an empty matrix (the hot run starts from the prior)
 MAX_PROMPT_TOKENS = 600
 # the paper's tree, a small subset, a chain, the hybrid (context branch merged into the tree),
 # prompt lookup through the same runner, and the cost-aware hybrid (trees differ per row and step)
@@ -76,9 +76,11 @@ def test_references_are_sane(loaded, bench_prompts, references):
 
 @pytest.mark.parametrize("tree", TEMPLATES)
 def test_lossless_hot_matrix(loaded, bench_prompts, references, tree):
-    """One engine over every prompt; its first prompt is also a cold-matrix run."""
+    """One engine over every prompt, its matrix started as a new replica's: the model's prior in
+    every row (runner/matrix_prior.py) where the tree drafts from the matrix."""
     llm = LLM(tree=tree, loaded=loaded, max_num_seqs=1)
-    assert llm.engine.matrix.num_filled_rows() == 0
+    prior_rows = llm.engine.matrix.vocab_size if llm.engine.spec.uses_matrix else 0
+    assert llm.engine.matrix.num_filled_rows() == prior_rows
     params = SamplingParams(max_tokens=NEW_TOKENS)
     mats = []
     for (cat, qid, ids), want in zip(bench_prompts, references):
@@ -94,10 +96,11 @@ def test_lossless_hot_matrix(loaded, bench_prompts, references, tree):
 
 @pytest.mark.parametrize("tree", TEMPLATES)
 def test_lossless_cold_matrix(loaded, bench_prompts, references, tree):
-    """A fresh engine per prompt (prompt 0 already ran cold in the hot-matrix test)."""
+    """A fresh engine per prompt with an empty matrix (no prior): every row drafts nothing until
+    its token has been verified once."""
     params = SamplingParams(max_tokens=NEW_TOKENS)
     for (cat, qid, ids), want in list(zip(bench_prompts, references))[1:NUM_COLD]:
-        llm = LLM(tree=tree, loaded=loaded, max_num_seqs=1)
+        llm = LLM(tree=tree, loaded=loaded, max_num_seqs=1, matrix_prior=False)
         assert llm.engine.matrix.num_filled_rows() == 0
         out = llm.generate([ids], params)[0]
         check(out, want, f"tree {tree}, cold matrix, {cat} q{qid}")
