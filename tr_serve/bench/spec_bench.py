@@ -63,9 +63,9 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
     return BenchConfig(
         questions=args.questions, per_category=args.per_category, max_new_tokens=args.max_new_tokens,
         trees=tuple(args.trees or ("2.2.2",)), model=args.model, json_out=args.json_out,
-        prompt_seeding=args.prompt_seeding, matrix_prior=args.matrix_prior, pld=args.pld, hf=args.hf, warmup=args.warmup, device=args.device,
-        dtype=args.dtype, k=args.k, time_split=args.time_split, threads=args.threads,
-        cpu_kernels=args.cpu_kernels,
+        prompt_seeding=args.prompt_seeding, matrix_prior=args.matrix_prior, pld=args.pld, hf=args.hf,
+        warmup=args.warmup, device=args.device, dtype=args.dtype, k=args.k, time_split=args.time_split,
+        threads=args.threads, cpu_kernels=args.cpu_kernels,
     )
 
 

@@ -9,8 +9,8 @@ user cache. Recycling overwrites a row the first time its token is verified, so 
 unchanged by it; the fleet's snapshot never erases it (``AdjacencyMatrix.adopt`` keeps a row
 the snapshot holds nothing for). Drafts never change the output, so neither can the prior.
 
-Measured (SmolLM2-135M, ``tree: auto``, 2 threads, 13 dev questions x 128 tokens after one
-warm-up question, side by side): see the README's "matrix prior" section.
+Measured in the README ("The matrix starts from the model's own prior"): on one stream of
+SmolLM2-135M, ``tr:auto`` MAT 1.71 -> 1.87 and 1.50x -> 1.57x plain decoding.
 """
 
 from __future__ import annotations
@@ -57,7 +57,7 @@ def first_token_top_k(model, vocab: int, k: int, bos: int | None, batch: int = 5
 
     device = next(model.parameters()).device
     prefix = None
-    if bos is not None:
+    if bos is not None and 0 <= bos < vocab:
         prefix = DynamicCache(config=model.config)
         model(input_ids=torch.tensor([[bos]], device=device), cache=prefix)
     rows = []
