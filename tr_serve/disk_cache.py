@@ -1,5 +1,5 @@
-"""JSON files in the user cache (kernel plans, latency calibrations): read defensively, written
-atomically, never fatal. A cache that cannot be read is measured again; one that cannot be
+"""Files in the user cache (kernel plans and latency calibrations as JSON, the matrix prior as a
+tensor): read defensively, written atomically, never fatal. A cache that cannot be read is measured again; one that cannot be
 written only costs the measurement next time."""
 
 from __future__ import annotations
@@ -28,12 +28,17 @@ def load_json(path: Path, parse: Callable[[Any], T | None], what: str) -> T | No
 
 
 def save_json(path: Path, data: Any, what: str) -> None:
-    """Write through a per-process temporary file and a rename: concurrent writers (tensor-parallel
-    ranks, replicas) never leave a half-written file."""
+    save_atomically(path, lambda tmp: tmp.write_text(json.dumps(data)), what)
+
+
+def save_atomically(path: Path, write: Callable[[Path], Any], what: str) -> None:
+    """``write(tmp)`` to a per-process temporary file, then a rename: concurrent writers
+    (tensor-parallel ranks, replicas) never leave a half-written file. (``torch.save`` reports a
+    file it cannot open as a RuntimeError.)"""
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(data))
+        write(tmp)
         tmp.replace(path)
-    except OSError as e:
+    except (OSError, RuntimeError) as e:
         logger.warning("could not cache the %s in %s: %s", what, path, e)

@@ -50,6 +50,22 @@ def test_the_prior_is_computed_once_then_read_from_the_cache(tokenizer, tmp_path
         load_or_compute(tiny_loaded(tokenizer, seed=4).model, "tiny", 512, 4, 1)
 
 
+def test_a_cache_that_cannot_be_written_only_costs_the_computation(tokenizer, tmp_path, monkeypatch):
+    loaded = tiny_loaded(tokenizer, seed=3)
+    want = first_token_top_k(loaded.model, 512, 4, 1)
+    (tmp_path / "file").write_text("")
+    monkeypatch.setenv("TR_SERVE_CACHE", str(tmp_path / "file"))  # the folder cannot be made: OSError
+    assert torch.equal(load_or_compute(loaded.model, "tiny", 512, 4, 1), want)
+
+    def cannot_open(obj, f):  # how torch.save reports a file it cannot open
+        raise RuntimeError(f"File {f} cannot be opened.")
+
+    monkeypatch.setenv("TR_SERVE_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(torch, "save", cannot_open)
+    assert torch.equal(load_or_compute(loaded.model, "tiny", 512, 4, 1), want)
+    assert not list((tmp_path / "cache" / "matrix_prior").iterdir())
+
+
 def test_a_malformed_cached_prior_is_computed_again(tokenizer, tmp_path, monkeypatch):
     monkeypatch.setenv("TR_SERVE_CACHE", str(tmp_path))
     loaded = tiny_loaded(tokenizer, seed=3)

@@ -18,11 +18,11 @@ from __future__ import annotations
 import copy
 import hashlib
 import logging
-import os
 from pathlib import Path
 
 import torch
 
+from tr_serve.disk_cache import save_atomically
 from tr_serve.model_loader import cache_root
 
 logger = logging.getLogger(__name__)
@@ -102,11 +102,5 @@ def load_or_compute(model, model_id: str, vocab: int, k: int, bos: int | None) -
         return table
     logger.info("computing the matrix prior of %s (%d tokens, once; cached in %s)", model_id, vocab, path)
     table = first_token_top_k(model, vocab, k, bos)
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        torch.save(table, tmp)
-        tmp.replace(path)
-    except OSError as e:
-        logger.warning("could not cache the matrix prior in %s: %s", path, e)
+    save_atomically(path, lambda tmp: torch.save(table, tmp), "matrix prior")
     return table
