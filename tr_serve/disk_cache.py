@@ -1,6 +1,6 @@
 """Files in the user cache (kernel plans and latency calibrations as JSON, the matrix prior as a
-tensor): read defensively, written atomically, never fatal. A cache that cannot be read is measured again; one that cannot be
-written only costs the measurement next time."""
+tensor): read defensively, written atomically, never fatal. A cache that cannot be read is
+measured again; one that cannot be written only costs the measurement next time."""
 
 from __future__ import annotations
 
