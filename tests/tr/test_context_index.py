@@ -57,13 +57,15 @@ def test_no_match_below_min_ngram():
 def test_matches_a_brute_force_scan_while_growing(seed):
     rng = random.Random(seed)
     vocab = rng.choice([3, 5, 12])
-    idx = ContextIndex(max_ngram=5, min_ngram=2)
-    tokens: list[int] = []
+    min_n = rng.choice([1, 2, 3])
+    idx = ContextIndex(max_ngram=5, min_ngram=min_n)
+    tokens = [rng.randrange(vocab) for _ in range(rng.choice([0, 1, 4, 40]))]  # a prompt, in one call
+    idx.extend(tokens)
     for _ in range(80):
         new = [rng.randrange(vocab) for _ in range(rng.randint(1, 3))]
         idx.extend(new)
         tokens += new
-        assert idx.lookup(6) == brute_force(tokens, 2, 5, 6)
+        assert idx.lookup(6) == brute_force(tokens, min_n, 5, 6)
 
 
 def test_bad_settings_are_refused():

@@ -17,6 +17,7 @@ import torch
 from tr_serve.engine.config import EngineConfig
 from tr_serve.engine.detokenizer import IncrementalDetokenizer
 from tr_serve.engine.errors import PromptTooLongError
+from tr_serve.engine.gc_heap import freeze_long_lived_heap
 from tr_serve.engine.prompt import check_prompt
 from tr_serve.engine.core import RemoteRunner
 from tr_serve.engine.request import Request, RequestOutput
@@ -55,6 +56,7 @@ class Engine:
         implementation of the runner contract that sizes its own KV cache for rows of ``max_len``
         tokens (tensor parallel: ``tr_serve.tp.runner.TPModelRunner.allocate``); ``loaded.model``
         is then not used."""
+        freeze_long_lived_heap()  # the libraries and the loaded model, before this engine's own objects
         self.config = config
         self.tokenizer = loaded.tokenizer
         self.eos_ids = frozenset(loaded.eos_token_ids)

@@ -106,6 +106,9 @@ class TPWorker:
         else:
             loaded = sharded
         self.loaded = loaded
+        from tr_serve.engine.gc_heap import freeze_long_lived_heap
+
+        freeze_long_lived_heap()  # this rank's steps allocate too (engine/gc_heap.py)
         cfg = loaded.model.config
         dtype = next(loaded.model.parameters()).dtype
         return {"rank": self.rank, "pid": os.getpid(), "vocab_size": int(cfg.vocab_size),

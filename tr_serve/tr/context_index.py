@@ -1,7 +1,7 @@
 """Per-request context index: the continuation of the longest recent n-gram match.
 
 One request's text (prompt + accepted output) is indexed as it grows. For every n in
-``1..max_ngram`` a hash map sends each n-gram to the position just after its most recent
+``min_ngram..max_ngram`` a hash map sends each n-gram to the position just after its most recent
 occurrence that has a continuation. The lookup tries the longest suffix n-gram first and returns
 the tokens that followed it last time: prompt lookup decoding, done incrementally.
 
@@ -36,7 +36,7 @@ class ContextIndex:
         toks = self.tokens
         for t in tokens:
             end = len(toks)  # t lands here: it continues every n-gram ending at end-1
-            for n in range(1, min(self.max_ngram, end) + 1):
+            for n in range(self.min_ngram, min(self.max_ngram, end) + 1):  # shorter ones are never looked up
                 self._next[tuple(toks[end - n : end])] = end
             toks.append(int(t))
 
