@@ -216,6 +216,59 @@ def test_price_picks_equal_the_best_option_at_every_price():
             assert len(ties) > 1 or pick == best
 
 
+def test_plan_is_the_best_scored_price_pick_or_plain_within_the_margin():
+    """choose_plan against a plain re-statement of its rule, on random rates and branches: every
+    price picks each row's best option (tie: the cheaper), each distinct plan is scored by expected
+    tokens per second, the best wins (tie: fewer nodes and caps), and plain decoding wins when the
+    best is within DRAFT_MARGIN of it."""
+    import random
+
+    from tr_serve.tr.budget import _PRICES, DRAFT_MARGIN, _frontier
+
+    rng = random.Random(1)
+    nodes, caps = (0, 1, 2, 4, 8), (0, 1, 2, 4)
+    for _ in range(400):
+        slope = rng.choice([0.01, 0.05, 0.1, 0.2, 0.3])  # seconds per query token past the first
+        latency = StepLatency(LatencyTable((1, 128), (1.0, 1.0 + 127 * slope)))
+        rates = sorted((rng.random() * rng.choice([0.1, 0.3, 0.8]) for _ in range(8)), reverse=True)
+        chains = []
+        for _ in range(rng.randrange(1, 7)):
+            m = rng.choice([0, 0, 2, 4])
+            merged = sorted(rng.sample(range(8), rng.randrange(0, m + 1)))  # a rising prefix of the branch
+            chains.append((merged + [1 << 30] * (m - len(merged)), [0.9 ** (j + 1) for j in range(m)])
+                          if m else NO_BRANCH)
+        options_per_row = []
+        for merge_pos, branch in chains:
+            options = []
+            for n in nodes:
+                merged = sum(1 for pos in merge_pos if pos < n)
+                for cap in caps:
+                    extra = min(cap, len(branch) - merged) if branch else 0
+                    options.append((sum(rates[:n]) + sum(branch[merged : merged + extra]) if branch else sum(rates[:n]),
+                                    n + extra, n, cap if branch else 0))
+            options_per_row.append(_frontier(options))
+        rows = len(chains)
+        scored = {}
+        for price in _PRICES:
+            plan = []
+            for frontier in options_per_row:
+                if price == float("inf"):
+                    plan.append(frontier[0])
+                else:
+                    plan.append(max(frontier, key=lambda o: (o[0] - price * o[1], -o[1])))
+            key = tuple((o[2], o[3]) for o in plan)
+            if key not in scored:
+                gain, cost = sum(o[0] for o in plan), sum(o[1] for o in plan)
+                scored[key] = ((rows + gain) / latency(rows, rows + cost, 1 + max(o[1] for o in plan)),
+                               sum(o[2] + o[3] for o in plan))
+        best = max(scored.items(), key=lambda kv: (kv[1][0], -kv[1][1]))
+        plain = tuple((f[0][2], f[0][3]) for f in options_per_row)
+        within = best[0] != plain and best[1][0] < scored[plain][0] * (1 + DRAFT_MARGIN)
+        want = list(plain) if within else list(best[0])
+        got = choose_plan(rates, chains, latency, nodes, caps)
+        assert [(n, cap if chains[r][1] else 0) for r, (n, cap) in enumerate(got)] == want
+
+
 def test_plan_gain_counts_template_nodes_and_the_unmerged_branch_tokens_under_the_cap():
     from tr_serve.tr.budget import plan_gain
 

@@ -11,6 +11,7 @@ device at start-up, corrected by what serving measures.
 from __future__ import annotations
 
 import bisect
+from itertools import accumulate
 from operator import itemgetter
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Sequence
@@ -245,10 +246,8 @@ def _nearest(keys, k: int) -> int:
 
 
 def _cumulative(values) -> list[float]:
-    out = [0.0]
-    for v in values:
-        out.append(out[-1] + float(v))
-    return out
+    """[0, v0, v0 + v1, ...]: the prefix sums, summed in order (as a loop would)."""
+    return list(accumulate(values, initial=0.0))
 
 
 def _frontier(options: list[tuple[float, int, int, int]]) -> list[tuple[float, int, int, int]]:
@@ -394,26 +393,33 @@ def choose_plan(template_rates: list[float], chains: list[tuple[list[int], list[
     groups: dict[int, tuple[list[tuple[float, int, int, int]], list[int]]] = {}
     for r, frontier in enumerate(frontiers):
         groups.setdefault(id(frontier), (frontier, []))[1].append(r)
-    picks = [(_price_picks(frontier), rs) for frontier, rs in groups.values()]
-    plans: dict[tuple[tuple[int, int], ...], float] = {}
+    picks = [(_price_picks(frontier), len(rs)) for frontier, rs in groups.values()]
+    members = [rs for _, rs in groups.values()]
+    # a plan is one option per group; a price picks one plan, often the same as its neighbour's
+    scored: dict[tuple, tuple[float, int]] = {}  # plan -> (expected tokens/s, its nodes and caps)
     for p in range(len(_PRICES)):
-        gain, cost, widest = 0.0, 0, 0
-        plan: list[tuple[int, int]] = [(0, 0)] * rows
-        for per_price, rs in picks:
-            best = per_price[p]
-            gain += best[0] * len(rs)
-            cost += best[1] * len(rs)
-            widest = max(widest, best[1])
-            for r in rs:
-                plan[r] = (best[2], best[3])
-        key = tuple(plan)
-        if key not in plans:
-            plans[key] = (rows + gain) / latency(rows, rows + cost, 1 + widest)
-    ranked = sorted(plans.items(), key=lambda kv: (kv[1], -sum(n + c for n, c in kv[0])), reverse=True)
+        key = tuple(per_price[p] for per_price, _ in picks)
+        if key in scored:
+            continue
+        gain, cost, widest, size = 0.0, 0, 0, 0
+        for (g, c, n, cap), (_, count) in zip(key, picks):
+            gain += g * count
+            cost += c * count
+            size += (n + cap) * count
+            if c > widest:
+                widest = c
+        scored[key] = ((rows + gain) / latency(rows, rows + cost, 1 + widest), size)
+    ranked = sorted(scored.items(), key=lambda kv: (kv[1][0], -kv[1][1]), reverse=True)
     pick = ranked[1] if explore and len(ranked) > 1 else ranked[0]
-    if not explore and plain is not None and pick[1] < plans[plain] * (1 + DRAFT_MARGIN):
-        return list(plain)  # within the estimates' error of plain decoding: not worth the risk
-    return list(pick[0])
+    if not explore and plain is not None:
+        plain_score = scored[tuple(per_price[-1] for per_price, _ in picks)][0]  # the infinite price's plan
+        if pick[1][0] < plain_score * (1 + DRAFT_MARGIN):
+            return list(plain)  # within the estimates' error of plain decoding: not worth the risk
+    plan: list[tuple[int, int]] = [(0, 0)] * rows
+    for option, rs in zip(pick[0], members):
+        for r in rs:
+            plan[r] = (option[2], option[3])
+    return plan
 
 
 _NOT_VERIFIED = 1 << 30  # merge position of a branch token that no template node holds
