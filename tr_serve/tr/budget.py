@@ -81,10 +81,17 @@ class AcceptanceStats:
 
     def update(self, draft: torch.Tensor | np.ndarray, choice: torch.Tensor | np.ndarray,
                verified: torch.Tensor | np.ndarray | None = None) -> None:
-        """draft [b, N+1] drafted tokens of the full template; choice [b, v] the model's token after
-        each of the first ``v`` inputs (the root and a verified prefix of the template), or, with
-        ``verified`` [N+1] or per row [b, N+1] bool, choice [b, N+1] holding the model's token after
-        every verified node (the root always is)."""
+        """Count one step's outcomes (:meth:`outcomes`)."""
+        self.add(*self.outcomes(draft, choice, verified))
+
+    def outcomes(self, draft: torch.Tensor | np.ndarray, choice: torch.Tensor | np.ndarray,
+                 verified: torch.Tensor | np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """Per row and node 1..N, (accepted: the node's whole path was right, observed: it was
+        compared with the model's choice), both [b, N] bool. draft [b, N+1] drafted tokens of the
+        full template; choice [b, v] the model's token after each of the first ``v`` inputs (the
+        root and a verified prefix of the template), or, with ``verified`` [N+1] or per row
+        [b, N+1] bool, choice [b, N+1] holding the model's token after every verified node (the
+        root always is). Rows are independent: the outcomes of a subset of rows are those rows'."""
         # numpy: a step updates 80 counts from a few [b, N+1] tables; as torch ops this was ~25 small
         # calls per step (0.2 ms at 13 rows), as numpy ops a fraction of that
         tree = self.tree
@@ -109,11 +116,15 @@ class AcceptanceStats:
             seen = ok[:, par] & known  # parent accepted and the model's token after it is known
             observed[:, idx] = seen
             ok[:, idx] = seen & (draft[:, idx] == choice[:, par])
+        return ok[:, 1:], observed[:, 1:]
+
+    def add(self, accepted: np.ndarray, observed: np.ndarray) -> None:
+        """Decay the counts one step, then add the outcomes [b, N] of that step's rows."""
         hits, trials = self.hits.numpy(), self.trials.numpy()  # views: updated in place
         hits *= self.decay
         trials *= self.decay
-        hits += ok[:, 1:].sum(0)
-        trials += observed[:, 1:].sum(0)
+        hits += accepted.sum(0)
+        trials += observed.sum(0)
         self._rates = None
 
 
@@ -526,13 +537,14 @@ class TreeBudget:
         if self._expected is not None:
             self.calibration.observe(self._expected, sum(acceptance.num_accepted_drafts))
             self._expected = None
-        draft, choice, verified = template_outcomes(batch, acceptance)
-        self.acceptance.update(draft, choice, verified)
+        # the same template: one pass finds every row's outcomes, each estimate counts its rows
+        accepted, observed = self.acceptance.outcomes(*template_outcomes(batch, acceptance))
+        self.acceptance.add(accepted, observed)
         branchless = [r for r, m in enumerate(batch.match_lengths) if m == 0]
         if branchless:
             if len(branchless) < len(batch.match_lengths):
-                draft, choice, verified = draft[branchless], choice[branchless], verified[branchless]
-            self.branchless.update(draft, choice, verified)
+                accepted, observed = accepted[branchless], observed[branchless]
+            self.branchless.add(accepted, observed)
         if self.context_stats is not None:
             self.context_stats.update(branch_outcomes(batch, acceptance))
 
