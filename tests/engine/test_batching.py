@@ -36,6 +36,26 @@ def test_eight_concurrent_requests_equal_each_alone(loaded, spec_bench_rows, tre
     params = SamplingParams(max_tokens=24)
     # small prefill chunks so long prompts are split and interleaved with decoding rows
     batched = LLM(tree=tree, loaded=loaded, max_num_seqs=8, max_prefill_tokens=96).generate(prompts, params)
+    _assert_each_equals_alone(loaded, prompts, batched, params)
+
+
+def test_lean_steps_are_lossless(loaded, spec_bench_rows):
+    """Steps in which the budget verifies the context branches alone (its lean steps: many rows
+    on a CPU) decode each row exactly as that request alone."""
+    prompts = [encode_prompt(loaded.tokenizer, chat(r["turns"][0])) for r in _first_per_category(spec_bench_rows, 8)]
+    params = SamplingParams(max_tokens=32)
+    llm = LLM(tree="auto", loaded=loaded, max_num_seqs=8, max_prefill_tokens=96)
+    budget = llm.engine.drafter.budget
+    budget.template_use = 0.0  # as after a run of plans that bought no template node
+    lean = []
+    plan_branches = budget.plan_branches
+    budget.plan_branches = lambda chains, matches: lean.append(plan_branches(chains, matches)) or lean[-1]
+    batched = llm.generate(prompts, params)
+    assert len(lean) >= 5 and any(cap > 0 for plans in lean for _, cap in plans)  # lean steps drafted branches
+    _assert_each_equals_alone(loaded, prompts, batched, params)
+
+
+def _assert_each_equals_alone(loaded, prompts, batched, params) -> None:
     alone_llm = LLM(tree="none", loaded=loaded, max_num_seqs=1)
     for prompt, out in zip(prompts, batched):
         ref = alone_llm.generate(prompt, params)[0].token_ids

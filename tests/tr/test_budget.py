@@ -379,3 +379,63 @@ def test_rows_without_a_branch_are_priced_by_their_own_estimates():
     budget.observe(batch, accept_draft(batch, torch.tensor([[1, 1, 5, 0], [1, 1, 5, 0]])), None)
     assert torch.allclose(budget.acceptance.trials, before_all * budget.acceptance.decay + 2)
     assert torch.allclose(budget.branchless.trials, before_alone * budget.branchless.decay + 1)
+
+
+def test_steps_turn_lean_when_plans_stop_buying_template_nodes_and_a_plan_that_buys_ends_it():
+    """Lean steps plan the context branches alone; one step in explore_every stays a full plan,
+    and a full plan that buys a template node ends the lean steps."""
+    from tr_serve.tr.budget import TreeBudget
+
+    expensive = StepLatency(LatencyTable((1, 3), (1.0, 3.0)))  # every query token costs a forward
+    budget = TreeBudget(compile_tree([[0], [0, 0]]), expensive, context_tokens=4, node_candidates=(0, 1, 2),
+                        chain_caps=(0, 1, 2), explore_every=8)
+    successors = lambda before, token: [1]  # noqa: E731
+    assert not budget.lean_next  # a new budget plans in full
+    kinds = []
+    for step in range(1, 65):
+        if budget.lean_next:
+            kinds.append("lean")
+            plans = budget.plan_branches([[5, 6], []], [3, 0])
+        else:
+            kinds.append("full")
+            plans = budget.plan([0, 0], successors, [[5, 6], []], [3, 0])
+        if step % 8:  # not an exploring step (which runs the runner-up plan)
+            assert plans == [(0, 0), (0, 0)]
+    assert kinds[:20] == ["full"] * 20  # the moving average needs a run of plans without template nodes
+    assert "lean" in kinds and kinds[-8:].count("full") == 1  # then one full plan in explore_every
+    assert all(k == "full" for i, k in enumerate(kinds, start=1) if i % 8 == 4 and i > 20)
+    # forwards get cheap: the next full plan buys the template, and the steps are full again
+    budget.latency = StepLatency(LatencyTable((1, 3), (1.0, 1.01)))
+    budget.acceptance.hits[:] = torch.tensor([0.9, 0.9]) * budget.acceptance.trials
+    budget.branchless.hits[:] = torch.tensor([0.9, 0.9]) * budget.branchless.trials
+    budget.acceptance._rates = budget.branchless._rates = None
+    while budget.lean_next:
+        budget.plan_branches([[5, 6], []], [3, 0])
+    assert budget.plan([0, 0], successors, [[5, 6], []], [3, 0])[1][0] == 2
+    assert not budget.lean_next
+
+
+def test_a_lean_plan_prices_branches_and_its_step_leaves_the_template_estimates_alone():
+    from dataclasses import replace
+
+    from tr_serve.tr.budget import TreeBudget
+    from tr_serve.tr.draft import build_draft
+    from tr_serve.tr.verifier import accept_draft
+
+    cheap = StepLatency(LatencyTable((1, 8), (1.0, 1.01)))
+    budget = TreeBudget(compile_tree([[0], [0, 0]]), cheap, context_tokens=4, node_candidates=(0, 1, 2),
+                        chain_caps=(0, 1, 2, 4), explore_every=1000)
+    budget.template_use = 0.0
+    assert budget.lean_next
+    plans = budget.plan_branches([[5, 6, 7], []], [4, 0])
+    assert plans == [(0, 4), (0, 0)]  # the whole branch where tokens are nearly free; no template
+    roots = torch.tensor([[1], [2]])
+    batch = build_draft(roots, compile_tree([]), torch.zeros(0, dtype=torch.long), [[5, 6, 7], []], [4, 0],
+                        [0, 0], [4, 0])
+    batch = replace(batch, template_draft=roots)
+    hits, trials = budget.acceptance.hits.clone(), budget.acceptance.trials.clone()
+    branch_trials = budget.context_stats.trials.clone()
+    choices = torch.tensor([[5, 6, 9, 0], [3, 0, 0, 0]])  # row 0: two branch tokens right, the third wrong
+    budget.observe(batch, accept_draft(batch, choices), None)
+    assert torch.equal(budget.acceptance.hits, hits) and torch.equal(budget.acceptance.trials, trials)
+    assert float((budget.context_stats.trials - branch_trials * budget.context_stats.decay).sum()) == pytest.approx(3.0)

@@ -5,7 +5,8 @@
   (an acceptance-driven shape, re-ranked as the estimates move) and a cap on its context branch,
   chosen together to maximise expected tokens per second under the measured step latency
   (tr/budget.py); a row with nothing promising runs a plain one-token step beside rows that
-  verify trees
+  verify trees. While recent plans bought no template node (many concurrent rows on a CPU),
+  steps are lean: the context branches alone, no template drafted (``TreeBudget.lean_next``)
 * ``pld``: the context branch alone (prompt lookup decoding through the same runner)
 
 With a pair table (tr/pair_table.py; the fixed hybrids by default) the template is drafted from
@@ -133,7 +134,10 @@ class Drafter:
                         chains[r], matches[r] = chain, PAIR_CHAIN_MATCH
         n = self.template.num_nodes if self.template is not None else 0
         cap = self.context.max_tokens if self.context is not None else 0
-        if self.budget is not None:  # the plan first: the template is then drafted only as deep as it is used
+        if self.budget is not None and self.budget.lean_next:  # recent plans bought no template node
+            plans = self.budget.plan_branches(chains, matches)
+            full = roots[:, None]  # no template drafted: the root alone
+        elif self.budget is not None:  # the plan first: the template is then drafted only as deep as it is used
             root_list = roots.tolist()
             before_list = before.tolist() if pairs is not None else [EMPTY] * b
             successors = self._successors([[before_list[r], root_list[r], *c[:-1]] for r, c in enumerate(chains) if c])
