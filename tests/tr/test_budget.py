@@ -312,7 +312,7 @@ def test_an_overpromising_budget_learns_to_draft_less():
     assert budget.plan([0], successors, [[]], [0]) == [(2, 0)]
     for _ in range(300):
         budget.plan([0], successors, [[]], [0])
-        budget.calibration.observe(budget._expected, 0)  # what observe() records when nothing is accepted
+        budget.calibration.observe(budget._expected[0], 0)  # what observe() records when no template node is accepted
     assert budget.calibration.scale < 0.5
     assert budget.plan([0], successors, [[]], [0]) == [(0, 0)]
 
@@ -439,3 +439,32 @@ def test_a_lean_plan_prices_branches_and_its_step_leaves_the_template_estimates_
     budget.observe(batch, accept_draft(batch, choices), None)
     assert torch.equal(budget.acceptance.hits, hits) and torch.equal(budget.acceptance.trials, trials)
     assert float((budget.context_stats.trials - branch_trials * budget.context_stats.decay).sum()) == pytest.approx(3.0)
+
+
+def test_template_nodes_and_branch_tokens_are_calibrated_apart():
+    """A step's accepted drafts are split at the row's template columns: those count against the
+    plan's expected template gain, the rest against its expected branch gain."""
+    from dataclasses import replace
+
+    from tr_serve.tr.budget import TreeBudget
+    from tr_serve.tr.draft import build_draft
+    from tr_serve.tr.verifier import accept_draft
+
+    tree = compile_tree([[0], [0, 0]])
+    budget = TreeBudget(tree, StepLatency(LatencyTable((1, 8), (1.0, 1.01))), context_tokens=4,
+                        node_candidates=(0, 1, 2), chain_caps=(0, 1, 2), explore_every=1000)
+    successors = lambda before, token: [1]  # noqa: E731 (the template drafts 1 under every node)
+    assert budget.plan([0], successors, [[7, 8]], [4]) == [(2, 2)]  # the template, and the branch beside it
+    template_expected, branch_expected = budget._expected
+    assert template_expected > 0 and branch_expected > 0
+    draft = torch.tensor([[0, 1, 1]])
+    batch = build_draft(draft, tree, torch.arange(1, 3), chains=[[7, 8]], match_lengths=[4], row_nodes=[2], caps=[2])
+    batch = replace(batch, template_draft=draft)
+    cal_t, cal_b = budget.calibration, budget.branch_calibration
+    before = (cal_t.expected, cal_t.accepted, cal_b.expected, cal_b.accepted)
+    # columns: root, template 1, template 2, branch 7, branch 8; the model chose 7, then 8 after it
+    budget.observe(batch, accept_draft(batch, torch.tensor([[7, 5, 5, 8, 2]])), None)
+    assert (cal_t.expected, cal_t.accepted) == pytest.approx((before[0] * cal_t.decay + template_expected,
+                                                              before[1] * cal_t.decay + 0))
+    assert (cal_b.expected, cal_b.accepted) == pytest.approx((before[2] * cal_b.decay + branch_expected,
+                                                              before[3] * cal_b.decay + 2))
