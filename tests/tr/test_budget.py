@@ -269,8 +269,11 @@ def test_plan_is_the_best_scored_price_pick_or_plain_within_the_margin():
         assert [(n, cap if chains[r][1] else 0) for r, (n, cap) in enumerate(got)] == want
 
 
-def test_plan_gain_counts_template_nodes_and_the_unmerged_branch_tokens_under_the_cap():
-    from tr_serve.tr.budget import plan_gain
+def test_plan_gains_count_template_nodes_and_the_unmerged_branch_tokens_under_the_cap():
+    from tr_serve.tr.budget import plan_gains
+
+    def plan_gain(*args):
+        return sum(plan_gains(*args))
 
     template = [0.6, 0.5, 0.2, 0.1]
     branch = ([0, 1, 1 << 30, 1 << 30], [0.9, 0.8, 0.7, 0.6])  # first two merge into order positions 0, 1
@@ -280,6 +283,8 @@ def test_plan_gain_counts_template_nodes_and_the_unmerged_branch_tokens_under_th
     # n = 1: the second branch token is not among the verified nodes: it and the next come from the cap
     assert plan_gain(template, [branch], [(1, 2)]) == pytest.approx(0.6 + 0.8 + 0.7)
     assert plan_gain(template, [branch, NO_BRANCH], [(0, 0), (4, 0)]) == pytest.approx(1.4)
+    # apart: merged branch tokens count with the template nodes they merge into
+    assert plan_gains(template, [branch], [(1, 2)]) == pytest.approx((0.6, 0.8 + 0.7))
 
 
 def test_calibration_scales_the_rates_by_what_verification_accepted():

@@ -296,12 +296,6 @@ def _price_picks(frontier: list[tuple[float, int, int, int]]) -> list[tuple[floa
     return out
 
 
-def plan_gain(template_rates: list[float], chains: list[tuple[list[int], list[float]]],
-              plan: list[tuple[int, int]], branchless_rates: list[float] | None = None) -> float:
-    """Expected accepted drafts of ``plan``: the sum of :func:`plan_gains`."""
-    return sum(plan_gains(template_rates, chains, plan, branchless_rates))
-
-
 def plan_gains(template_rates: list[float], chains: list[tuple[list[int], list[float]]],
                plan: list[tuple[int, int]], branchless_rates: list[float] | None = None) -> tuple[float, float]:
     """Expected accepted drafts of ``plan`` (per row (template nodes n, branch cap L), as
