@@ -41,17 +41,24 @@ def test_eight_concurrent_requests_equal_each_alone(loaded, spec_bench_rows, tre
 
 def test_lean_steps_are_lossless(loaded, spec_bench_rows):
     """Steps in which the budget verifies the context branches alone (its lean steps: many rows
-    on a CPU) decode each row exactly as that request alone."""
+    on a CPU), and the matrix's confident chains of rows with no context match, decode each row
+    exactly as that request alone."""
+    from tr_serve.tr.drafter import CONFIDENT_STREAK, TABLE_CHAIN_MATCH
+
     prompts = [encode_prompt(loaded.tokenizer, chat(r["turns"][0])) for r in _first_per_category(spec_bench_rows, 8)]
     params = SamplingParams(max_tokens=32)
     llm = LLM(tree="auto", loaded=loaded, max_num_seqs=8, max_prefill_tokens=96)
+    llm.engine.matrix.streak.fill_(CONFIDENT_STREAK)  # every row confident: rows with no context match get chains
     budget = llm.engine.drafter.budget
     budget.template_use = 0.0  # as after a run of plans that bought no template node
     lean = []
     plan_branches = budget.plan_branches
-    budget.plan_branches = lambda chains, matches: lean.append(plan_branches(chains, matches)) or lean[-1]
+    kinds = set()  # the match lengths of the lean steps' branches
+    budget.plan_branches = lambda chains, matches: (kinds.update(matches), lean.append(plan_branches(chains, matches)),
+                                                    lean[-1])[-1]
     batched = llm.generate(prompts, params)
     assert len(lean) >= 5 and any(cap > 0 for plans in lean for _, cap in plans)  # lean steps drafted branches
+    assert TABLE_CHAIN_MATCH in kinds  # some rows with no context match got the matrix's confident chain
     _assert_each_equals_alone(loaded, prompts, batched, params)
 
 

@@ -102,7 +102,7 @@ def test_the_fixed_hybrid_drafts_from_the_pair_table_and_stays_lossless(tokenize
 
 
 def test_auto_hangs_the_pair_tables_chain_where_the_context_has_no_match(tokenizer):
-    from tr_serve.tr.drafter import PAIR_CHAIN_MATCH
+    from tr_serve.tr.drafter import TABLE_CHAIN_MATCH
 
     loaded = tiny_loaded(tokenizer, seed=3, init_range=0.1)
     prompt = [5, 17, 230, 402, 9, 33, 71, 12]  # no repeated n-gram: the context index finds nothing at first
@@ -117,8 +117,35 @@ def test_auto_hangs_the_pair_tables_chain_where_the_context_has_no_match(tokeniz
     assert run(engine, prompt, 40) == plain
     # the first step: the context has no match, the pair table holds two steps of the real text
     chain, match = plans[0]
-    assert match == PAIR_CHAIN_MATCH and chain[:2] == [plain[1], plain[2]] and chain == plain[1 : 1 + len(chain)]
+    assert match == TABLE_CHAIN_MATCH and chain[:2] == [plain[1], plain[2]] and chain == plain[1 : 1 + len(chain)]
     assert engine.drafter.budget.context_stats.trials[0].sum() > 0  # the chain's own acceptance was observed
+
+
+def test_auto_hangs_the_matrix_confident_chain_on_lean_steps_where_the_context_has_no_match(tokenizer):
+    from tr_serve.tr.drafter import CONFIDENT_STREAK, TABLE_CHAIN_MATCH
+
+    loaded = tiny_loaded(tokenizer, seed=3, init_range=0.5)  # its first tokens differ
+    prompt = [5, 17, 230, 402, 9, 33, 71, 12]  # no repeated n-gram: the context index finds nothing at first
+    plain = run(Engine(loaded, EngineConfig(model="tiny", tree="none", max_model_len=128)), prompt, 40)
+    for lean in (True, False):
+        engine = Engine(loaded, EngineConfig(model="tiny", tree="auto", max_model_len=128))
+        assert engine.pairs is None
+        m = engine.matrix
+        m.table[plain[0], 0], m.table[plain[1], 0] = plain[1], plain[2]  # two steps of the real text, confident
+        m.streak[plain[0]] = m.streak[plain[1]] = CONFIDENT_STREAK
+        m.streak[plain[2]] = CONFIDENT_STREAK - 1  # not confident: the chain ends at plain[2]
+        budget = engine.drafter.budget
+        if lean:
+            budget.template_use = 0.0  # recent plans bought no template node: the next steps are lean
+        plans = []
+        spy(budget, "plan_branches" if lean else "plan",
+            lambda args, result: plans.append((list(args[0 if lean else 2][0]), args[1 if lean else 3][0])))
+        assert run(engine, prompt, 40) == plain
+        if lean:
+            assert plans[0] == ([plain[1], plain[2]], TABLE_CHAIN_MATCH)
+            assert budget.context_stats.trials[0].sum() > 0  # the chain's own acceptance was observed
+        else:  # a full plan: the template holds the same candidates, no chain
+            assert plans[0] == ([], 0)
 
 
 def test_pair_table_slots_must_be_a_power_of_two():

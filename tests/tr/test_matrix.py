@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tr_serve.tr.matrix import EMPTY, AdjacencyMatrix, last_occurrences, top_k_indices
+from tr_serve.tr.matrix import EMPTY, STREAK_CAP, AdjacencyMatrix, last_occurrences, top_k_indices
 
 V = 10
 
@@ -224,3 +224,63 @@ def test_recycle_with_the_callers_top_k_writes_what_it_computes_itself():
     m = AdjacencyMatrix(vocab_size=64, k=4)
     m.recycle(tokens, logits, preferred=preferred, top=top.flip(-1))
     assert m.table[4].tolist() == top[0].flip(-1).tolist() and m.table[2].tolist() == top[6].flip(-1).tolist()
+
+
+def test_streak_counts_rewrites_that_keep_the_first_candidate():
+    m = AdjacencyMatrix(V, k=3)
+    m.recycle(torch.tensor([4]), logits_ranking([1, 2, 3])[None])
+    assert int(m.streak[4]) == 0  # a first write: nothing was kept
+    m.recycle(torch.tensor([4]), logits_ranking([1, 3, 2])[None])
+    m.recycle(torch.tensor([4, 5]), torch.stack([logits_ranking([1, 9, 8]), logits_ranking([2, 3, 4])]))
+    assert int(m.streak[4]) == 2 and int(m.streak[5]) == 0  # the other candidates may move
+    m.recycle(torch.tensor([4, 4]), torch.stack([logits_ranking([7, 1, 2]), logits_ranking([1, 2, 3])]))
+    assert int(m.streak[4]) == 3  # one write per recycle: the last occurrence's
+    m.recycle(torch.tensor([4]), logits_ranking([2, 1, 3])[None])
+    assert int(m.streak[4]) == 0  # a new first candidate starts over
+    for _ in range(STREAK_CAP + 3):
+        m.recycle(torch.tensor([4]), logits_ranking([2, 1, 3])[None])
+    assert int(m.streak[4]) == STREAK_CAP
+    m.clear()
+    assert int(m.streak.abs().sum()) == 0
+
+
+def test_adopt_and_seed_keep_a_streak_only_where_the_first_candidate_stays():
+    m = AdjacencyMatrix(vocab_size=6, k=2)
+    for _ in range(3):
+        m.recycle(torch.tensor([1, 2]), torch.arange(12.0).reshape(2, 6))  # rows 1, 2 = [5, 4]
+    assert m.streak[[1, 2]].tolist() == [2, 2]
+    snapshot = torch.full((6, 2), EMPTY, dtype=torch.int32)
+    snapshot[1] = torch.tensor([5, 0], dtype=torch.int32)  # the same first candidate
+    snapshot[2] = torch.tensor([3, 4], dtype=torch.int32)
+    m.adopt(snapshot)
+    assert m.streak[[1, 2]].tolist() == [2, 0]
+    m.seed(torch.zeros(6, 2, dtype=torch.int32))
+    assert int(m.streak.abs().sum()) == 2
+
+
+def test_confident_chains_follow_first_candidates_through_rows_with_a_streak():
+    m = AdjacencyMatrix(V, k=2)
+    for _ in range(3):  # 1 -> 2 -> 3 -> 1 with streak 2 each, 6 -> 7 with streak 0 (written once below)
+        m.recycle(torch.tensor([1, 2, 3]), torch.stack([logits_ranking([2, 0]), logits_ranking([3, 0]),
+                                                        logits_ranking([1, 0])]))
+    m.recycle(torch.tensor([6, 3]), torch.stack([logits_ranking([7, 0]), logits_ranking([9, 0])]))
+    # 3's first candidate moved to 9: its streak is 0, so a chain stops after reaching 3
+    assert m.confident_chains([1, 2, 6, 5, 3], [8, 1, 8, 8, 8], 2) == [[2, 3], [3], [], [], []]
+    assert m.confident_chains([1, 6], [8, 8], 0) == [[2, 3, 9], [7]]  # 9 and 7: empty rows end them
+    assert m.confident_chains([1], [0], 0) == [[]]
+
+
+def test_confident_chains_on_host_and_as_tensor_ops_agree():
+    from tr_serve.tr.matrix import chains_on_device, chains_on_host
+
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(20):
+        vocab = 12
+        table = torch.randint(-1, vocab, (vocab, 2), generator=gen, dtype=torch.int32)
+        streak = torch.randint(0, 4, (vocab,), generator=gen, dtype=torch.int8)
+        roots = torch.randint(-1, vocab, (6,), generator=gen).tolist()
+        caps = torch.randint(0, 6, (6,), generator=gen).tolist()
+        for min_streak in (0, 1, 2):
+            host = chains_on_host(table[:, 0].numpy(), streak.numpy(), roots, caps, min_streak)
+            assert host == chains_on_device(table, streak, roots, caps, min_streak)
+            assert all(len(c) <= cap for c, cap in zip(host, caps))

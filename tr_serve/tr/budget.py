@@ -137,7 +137,7 @@ class ContextStats:
     counts of "the j-th retrieved token was the model's choice, given the ones before it were"
     (conditional, observed only when its parent's path was accepted, as for the template)."""
 
-    # match lengths 2, 3, 4-5, 6+; 1 is the pair table's chain (PAIR_CHAIN_MATCH: the context index
+    # match lengths 2, 3, 4-5, 6+; 1 is a chain from the recycled tables (TABLE_CHAIN_MATCH: the context index
     # matches 2 tokens or more, so a branch of match length 1 is always one of those)
     BUCKETS = (1, 2, 3, 4, 6)
 

@@ -7,6 +7,7 @@ from typing import Protocol
 import torch
 
 EMPTY = -1  # "no candidate": drafts a node that can never be accepted, and is never an index
+STREAK_CAP = 15  # AdjacencyMatrix.streak saturates here
 
 
 def top_k_indices(logits: torch.Tensor, k: int, block: int = 128) -> torch.Tensor:
@@ -55,7 +56,16 @@ def _winners(keys: list, tokens: list[int], prefer: list[bool] | None) -> dict:
 
 class AdjacencyMatrix:
     """``[vocab, k]`` int32 table of candidate next tokens, plus the set of rows changed since the
-    last :meth:`take_dirty_rows` (what a replica pushes to the fleet)."""
+    last :meth:`take_dirty_rows` (what a replica pushes to the fleet), plus each row's
+    :attr:`streak`.
+
+    ``streak[t]``: how many overwrites in a row of row ``t`` (by :meth:`recycle`) kept its first
+    candidate unchanged, up to :data:`STREAK_CAP`. Why: a row the model keeps rewriting with the
+    same first choice predicts a next token that does not depend on the context, and that is the
+    one case where a single matrix node is worth a query token on a busy step. Measured offline
+    on 30 dev questions x 128 tokens with a hot matrix, the first candidate after the root was the
+    model's choice 0.26 of the time at streak 0 (72% of the roots), 0.55 at 1, 0.75-0.79 at 2-3 and
+    0.95 at 4 or more (16% of the roots at 2 or more)."""
 
     def __init__(self, vocab_size: int, k: int = 8, device: torch.device | str = "cpu"):
         if k < 1:
@@ -64,6 +74,7 @@ class AdjacencyMatrix:
         self.k = k
         self.table = torch.full((vocab_size, k), EMPTY, dtype=torch.int32, device=device)
         self._dirty = torch.zeros(vocab_size, dtype=torch.bool, device=device)
+        self.streak = torch.zeros(vocab_size, dtype=torch.int8, device=device)
 
     def recycle(self, tokens: torch.Tensor, logits: torch.Tensor, preferred: torch.Tensor | None = None,
                 pairs: PairRows | None = None, before: torch.Tensor | None = None,
@@ -111,6 +122,8 @@ class AdjacencyMatrix:
         at = {node: i for i, node in enumerate(ranked)}
         ids = torch.tensor([token_list[i] for i in index], dtype=torch.long, device=self.table.device)
         mine = top if ranked is index else top[torch.tensor([at[i] for i in index], dtype=torch.long)]
+        kept = self.table[ids, 0] == mine[:, 0]  # the first candidate written again
+        self.streak[ids] = torch.where(kept, (self.streak[ids] + 1).clamp_(max=STREAK_CAP), 0).to(torch.int8)
         self.table[ids] = mine
         self._dirty[ids] = True
         if pair_index:
@@ -138,9 +151,11 @@ class AdjacencyMatrix:
             raise ValueError(f"cannot adopt a table of shape {tuple(table.shape)} into {tuple(self.table.shape)}")
         table = table.to(self.table.device, non_blocking=table.is_pinned())
         own = table[:, 0] == EMPTY  # rows the snapshot holds nothing for keep ours (a prior's, say)
+        before = self.table[:, 0].clone()
         self.table.copy_(torch.where(own[:, None], self.table, table))
         if keep_ids is not None and keep_ids.numel():
             self.table[keep_ids.to(self.table.device)] = keep_rows.to(self.table.device)
+        self.streak.masked_fill_(self.table[:, 0] != before, 0)  # a new first candidate starts over
 
     def seed(self, prior: torch.Tensor) -> int:
         """Fill the rows that hold nothing yet (EMPTY) from ``prior`` [vocab, k]; rows already learned
@@ -150,6 +165,7 @@ class AdjacencyMatrix:
             raise ValueError(f"cannot seed a table of shape {tuple(self.table.shape)} from {tuple(prior.shape)}")
         empty = self.table[:, 0] == EMPTY
         self.table[empty] = prior.to(self.table.device, torch.int32)[empty]
+        self.streak[empty] = 0
         return int(empty.sum())
 
     def take_dirty_rows(self) -> torch.Tensor:
@@ -164,3 +180,49 @@ class AdjacencyMatrix:
     def clear(self) -> None:
         self.table.fill_(EMPTY)
         self._dirty.zero_()
+        self.streak.zero_()
+
+    def confident_chains(self, roots: list[int], caps: list[int], min_streak: int) -> list[list[int]]:
+        """Per root, the chain of first candidates from it (root -> its first candidate -> that
+        token's first candidate ...) while each token it leaves has a :attr:`streak` of at least
+        ``min_streak``, at most ``caps[i]`` tokens: a context-free branch for a row whose context
+        has no match. On the host for a CPU matrix (views, no copy); on a device, one gather per
+        level for every root and one copy back."""
+        if self.table.device.type == "cpu":
+            return chains_on_host(self.table[:, 0].numpy(), self.streak.numpy(), roots, caps, min_streak)
+        return chains_on_device(self.table, self.streak, roots, caps, min_streak)
+
+
+def chains_on_host(first, streak, roots: list[int], caps: list[int], min_streak: int) -> list[list[int]]:
+    """:meth:`AdjacencyMatrix.confident_chains` over numpy views: first [vocab], streak [vocab]."""
+    chains = []
+    for token, cap in zip(roots, caps):
+        chain: list[int] = []
+        while len(chain) < cap and token >= 0 and streak[token] >= min_streak:
+            token = int(first[token])
+            if token < 0:
+                break
+            chain.append(token)
+        chains.append(chain)
+    return chains
+
+
+def chains_on_device(table: torch.Tensor, streak: torch.Tensor, roots: list[int], caps: list[int],
+                     min_streak: int) -> list[list[int]]:
+    """:meth:`AdjacencyMatrix.confident_chains` as tensor ops on the table's device."""
+    tokens = torch.tensor(roots, dtype=torch.long, device=table.device)
+    levels = []
+    for _ in range(max(caps, default=0)):
+        safe = tokens.clamp(min=0)
+        tokens = torch.where((tokens >= 0) & (streak[safe] >= min_streak), table[safe, 0].long(), EMPTY)
+        levels.append(tokens)
+    grid = torch.stack(levels, 1).tolist() if levels else [[] for _ in roots]
+    chains = []
+    for row, cap in zip(grid, caps):
+        chain = []
+        for token in row[:cap]:
+            if token < 0:
+                break
+            chain.append(token)
+        chains.append(chain)
+    return chains
