@@ -123,7 +123,7 @@ class AdjacencyMatrix:
         ids = torch.tensor([token_list[i] for i in index], dtype=torch.long, device=self.table.device)
         mine = top if ranked is index else top[torch.tensor([at[i] for i in index], dtype=torch.long)]
         kept = self.table[ids, 0] == mine[:, 0]  # the first candidate written again
-        self.streak[ids] = torch.where(kept, (self.streak[ids] + 1).clamp_(max=STREAK_CAP), 0).to(torch.int8)
+        self.streak[ids] = torch.where(kept, (self.streak[ids] + 1).clamp_(max=STREAK_CAP), 0)
         self.table[ids] = mine
         self._dirty[ids] = True
         if pair_index:
@@ -164,8 +164,7 @@ class AdjacencyMatrix:
         if tuple(prior.shape) != tuple(self.table.shape):
             raise ValueError(f"cannot seed a table of shape {tuple(self.table.shape)} from {tuple(prior.shape)}")
         empty = self.table[:, 0] == EMPTY
-        self.table[empty] = prior.to(self.table.device, torch.int32)[empty]
-        self.streak[empty] = 0
+        self.table[empty] = prior.to(self.table.device, torch.int32)[empty]  # an empty row's streak is 0 already
         return int(empty.sum())
 
     def take_dirty_rows(self) -> torch.Tensor:
