@@ -501,9 +501,8 @@ class TreeBudget:
         self.steps += 1
         chain_info = [([_NOT_VERIFIED] * len(chain), self._branch_rates(chain, matches[r]))
                       for r, chain in enumerate(chains)]
-        scale = self.branch_calibration.scale
         explore = self.steps % self.explore_every == 0
-        plans = choose_plan([], [(m, [p * scale for p in r]) for m, r in chain_info], self.latency, (0,),
+        plans = choose_plan([], _scaled(chain_info, self.branch_calibration.scale), self.latency, (0,),
                             self.chain_caps, explore)
         self._expected = plan_gains([], chain_info, plans)
         return plans
@@ -524,7 +523,7 @@ class TreeBudget:
         order_rates = [rates[node - 1] for node in self.order]
         alone = self.branchless.rate_list()
         branchless_rates = [alone[node - 1] for node in self.order]
-        scale, branch_scale = self.calibration.scale, self.branch_calibration.scale
+        scale = self.calibration.scale
         chain_info = []
         children, ranks = self.template.children, self._ranks
         for r, chain in enumerate(chains):
@@ -539,7 +538,7 @@ class TreeBudget:
             merge_pos += [_NOT_VERIFIED] * (len(chain) - len(merge_pos))
             chain_info.append((merge_pos, self._branch_rates(chain, matches[r])))
         explore = self.steps % self.explore_every == 0
-        scaled = [(m, [p * branch_scale for p in r]) for m, r in chain_info]
+        scaled = _scaled(chain_info, self.branch_calibration.scale)
         plans = choose_plan([p * scale for p in order_rates], scaled, self.latency, self.node_candidates,
                             self.chain_caps, explore, [p * scale for p in branchless_rates])
         self._expected = plan_gains(order_rates, chain_info, plans, branchless_rates)
@@ -582,7 +581,7 @@ class TreeBudget:
             self.calibration.observe(self._expected[0], template)
             self.branch_calibration.observe(self._expected[1], sum(acceptance.num_accepted_drafts) - template)
             self._expected = None
-        if batch.template_draft.shape[1] == self.template.num_nodes + 1:  # a lean step drafted no template
+        if batch.template_draft.shape[1] == self.template.num_nodes + 1:  # full plans: a lean step drafted no template
             # the same template: one pass finds every row's outcomes, each estimate counts its rows
             accepted, observed = self.acceptance.outcomes(*template_outcomes(batch, acceptance))
             self.acceptance.add(accepted, observed)
@@ -593,6 +592,11 @@ class TreeBudget:
                 self.branchless.add(accepted, observed)
         if self.context_stats is not None:
             self.context_stats.update(branch_outcomes(batch, acceptance))
+
+
+def _scaled(chain_info: list[tuple[list[int], list[float]]], scale: float) -> list[tuple[list[int], list[float]]]:
+    """Each branch's (merge positions, path rates) with its rates multiplied by ``scale``."""
+    return [(merge_pos, [p * scale for p in rates]) for merge_pos, rates in chain_info]
 
 
 def branch_outcomes(batch: "DraftBatch", acceptance: "Acceptance") -> list[tuple[int, list[bool], list[bool]]]:

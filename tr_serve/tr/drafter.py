@@ -126,10 +126,11 @@ class Drafter:
         b = roots.shape[0]
         chains: list[list[int]] = [[] for _ in range(b)]
         matches = [0] * b
+        caps = ([self.context.max_tokens if room is None else min(self.context.max_tokens, room[r] - 1)
+                 for r in range(b)] if self.context is not None else [])  # the longest branch each row may draft
         if self.context is not None and contexts is not None:
             for r, ctx in enumerate(contexts):
-                cap = self.context.max_tokens if room is None else min(self.context.max_tokens, room[r] - 1)
-                matches[r], chains[r] = ctx.lookup(cap)
+                matches[r], chains[r] = ctx.lookup(caps[r])
         lean = self.budget is not None and self.budget.lean_next  # recent plans bought no template node
         if self.budget is not None and self.context is not None and (pairs is not None or lean):
             # rows the context has no match for: a chain from the recycled tables, priced by its
@@ -140,12 +141,11 @@ class Drafter:
             # throughput gained; at 16 rows, where steps are lean, decode tokens/s 216 -> 235)
             idle = [r for r in range(b) if not chains[r]]
             if idle:
-                caps = [self.context.max_tokens if room is None else min(self.context.max_tokens, room[r] - 1)
-                        for r in idle]
+                idle_caps = [caps[r] for r in idle]
                 if pairs is not None:
-                    found = pairs.chains(before[idle], roots[idle], caps)
+                    found = pairs.chains(before[idle], roots[idle], idle_caps)
                 else:
-                    found = self.matrix.confident_chains(roots[idle].tolist(), caps, CONFIDENT_STREAK)
+                    found = self.matrix.confident_chains(roots[idle].tolist(), idle_caps, CONFIDENT_STREAK)
                 for r, chain in zip(idle, found):
                     if chain:
                         chains[r], matches[r] = chain, TABLE_CHAIN_MATCH
