@@ -9,11 +9,13 @@ import pytest
 import torch
 
 from tiny_model import tiny_loaded
+from tr_serve.bench import concurrency
 from tr_serve.bench.concurrency import (DEFAULT_METHODS, ConcurrencyMethod, LevelPlan, TooFewQuestionsError,
                                         interleave_by_category, markdown, methods_for, plan_levels,
                                         run_concurrency, save)
 from tr_serve.bench.provenance import kernel_plan_record, template_record
 from tr_serve.bench.records import Question
+from tr_serve.engine.engine import Engine
 
 
 def _questions(n: int, categories=("a", "b", "c"), length: int = 4) -> list[Question]:
@@ -89,9 +91,21 @@ def test_methods():
 def test_concurrency_bench_serves_distinct_questions_identically(tokenizer, tmp_path, monkeypatch):
     monkeypatch.setenv("TR_SERVE_CACHE", str(tmp_path / "cache"))  # calibration of the tiny model
     loaded = tiny_loaded(tokenizer, seed=3)
+    engines = []
+
+    class RecordedEngine(Engine):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            engines.append(self)
+
+    monkeypatch.setattr(concurrency, "Engine", RecordedEngine)
     schedule = plan_levels(_questions(12), [1, 3], rounds=1, per_run=5, warmup=1)
     result = run_concurrency(loaded, schedule, max_new_tokens=12)
     assert set(result["concurrency"]) == {"1", "3"}
+    # one engine per method for the whole run, sized for the highest level, as one server under
+    # changing load (tr:auto's budget goes on learning through both levels, as its matrix does)
+    assert [e.config.tree for e in engines] == ["none", "pld", "2.2.2", "auto"]
+    assert {e.config.max_num_seqs for e in engines} == {3} and result["max_num_seqs"] == 3
     ids = []
     for n, level in result["concurrency"].items():
         plan = schedule[int(n)]

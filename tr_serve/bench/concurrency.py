@@ -3,8 +3,10 @@
 For each concurrency level, every method serves the same questions (greedy) with N clients that
 each take the next question when their last one is done: plain continuous batching (``baseline``),
 prompt lookup through the same engine (``pld``), TR with the paper's 80-node tree (``tr:2.2.2``)
-and TR with the cost-aware budget (``tr:auto``). Each TR method keeps its matrix across levels and
-rounds, as a server would (hot start).
+and TR with the cost-aware budget (``tr:auto``). Each method is one engine for the whole run, sized
+for the highest level (N clients keep at most N of its rows busy), so a TR method keeps its matrix
+and its budget's estimates (acceptance, step latency) across levels and rounds, as one server under
+changing load would (hot start).
 
 Because a kept matrix has recycled every answer it produced, and greedy answers repeat exactly, a
 question is never served twice into it: every level and every round (and each level's warm-up)
@@ -31,7 +33,6 @@ from tr_serve.engine.timing import PhaseTimer
 from tr_serve.engine.config import EngineConfig
 from tr_serve.engine.engine import Engine
 from tr_serve.sampling_params import SamplingParams
-from tr_serve.tr.matrix import AdjacencyMatrix
 from tr_serve.tr.tree_spec import is_plain
 
 
@@ -207,9 +208,10 @@ def run_concurrency(loaded, schedule: dict[int, LevelPlan], max_new_tokens: int,
     With several rounds every method serves round r's questions in round r, the order of the
     methods reversed every other round (A B C, C B A, ...), so slow drifts of the machine hit all
     methods alike; throughput is total tokens over total wall time, and ``identical`` compares each
-    method with the baseline on the same questions in every round. Each method keeps its matrix
-    across levels and rounds, and its engine (acceptance and latency estimates) across the rounds
-    of a level; a new step thread per run lets the previous one's OpenMP workers go (see
+    method with the baseline on the same questions in every round. Each method is one engine for
+    the whole run (``max_num_seqs`` = the highest level), so a TR method keeps its matrix and its
+    budget's estimates across levels and rounds, as a server would; N clients keep at most N rows
+    busy. A new step thread per run lets the previous one's OpenMP workers go (see
     engine/openmp.py).
     """
     from tr_serve.bench.provenance import environment, template_record
@@ -218,18 +220,17 @@ def run_concurrency(loaded, schedule: dict[int, LevelPlan], max_new_tokens: int,
     if not methods or not is_plain(methods[0].tree):
         raise ValueError("the first method must be the plain-decoding baseline (tree 'none')")
     rounds = len(next(iter(schedule.values())).rounds)
-    vocab = loaded.model.config.vocab_size
-    matrices = {m.name: AdjacencyMatrix(vocab, k) for m in methods}
-    out: dict = {"concurrency": {}, "rounds": rounds}
-    kernel_plan = None
+    rows = max(schedule)
+    out: dict = {"concurrency": {}, "rounds": rounds, "max_num_seqs": rows}
+    cores = {}
+    for m in methods:
+        cfg = EngineConfig(model=loaded.model_id, tree=m.tree, budget=m.budget, k=k, max_num_seqs=rows,
+                           max_model_len=4096, cpu_kernels=cpu_kernels)
+        cores[m.name] = Engine(loaded, cfg, timer=PhaseTimer(loaded.model.device, enabled=time_split))
+    kernel_plan = cores[methods[0].name].runner.kernel_plan
     for n, plan in schedule.items():
-        cores = {}
-        for m in methods:
-            cfg = EngineConfig(model=loaded.model_id, tree=m.tree, budget=m.budget, k=k, max_num_seqs=n,
-                               max_model_len=4096, cpu_kernels=cpu_kernels)
-            cores[m.name] = Engine(loaded, cfg, matrix=matrices[m.name],
-                                   timer=PhaseTimer(loaded.model.device, enabled=time_split))
-        kernel_plan = cores[methods[0].name].runner.kernel_plan
+        for core in cores.values():
+            core.timer.reset()  # each level's split of the engine time is its own
         runs: dict[str, list[LevelResult]] = {m.name: [] for m in methods}
         for r, questions in enumerate(plan.rounds):
             prompts = [list(q.prompt_ids) for q in questions]
