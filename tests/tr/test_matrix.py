@@ -284,3 +284,25 @@ def test_confident_chains_on_host_and_as_tensor_ops_agree():
             host = chains_on_host(table[:, 0].numpy(), streak.numpy(), roots, caps, min_streak)
             assert host == chains_on_device(table, streak, roots, caps, min_streak)
             assert all(len(c) <= cap for c, cap in zip(host, caps))
+
+
+def test_the_recycled_rows_write_on_host_and_as_tensor_ops_agree():
+    # recycle writes through numpy views for a CPU matrix and as tensor ops on a device: the same rows,
+    # streaks (raised to the cap where the first candidate stays, reset where it changes) and dirty set
+    from tr_serve.tr.matrix import _write_rows, _write_rows_host
+
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(20):
+        vocab = 10
+        table = torch.randint(-1, 3, (vocab, 2), generator=gen, dtype=torch.int32)
+        streak = torch.randint(0, STREAK_CAP + 1, (vocab,), generator=gen, dtype=torch.int8)
+        dirty = torch.rand(vocab, generator=gen) < 0.3
+        ids = torch.randperm(vocab, generator=gen)[:4]
+        rows = torch.randint(0, 3, (4, 2), generator=gen, dtype=torch.int32)
+        host = [t.clone() for t in (table, streak, dirty)]
+        _write_rows_host(*(t.numpy() for t in host), ids.numpy(), rows.numpy())
+        expected_streak = torch.where(table[ids, 0] == rows[:, 0], (streak[ids] + 1).clamp(max=STREAK_CAP), 0)
+        _write_rows(table, streak, dirty, ids, rows)
+        for a, b in zip(host, (table, streak, dirty)):
+            assert torch.equal(a, b)
+        assert torch.equal(table[ids], rows) and dirty[ids].all() and torch.equal(streak[ids], expected_streak)
