@@ -289,7 +289,7 @@ def test_confident_chains_on_host_and_as_tensor_ops_agree():
 def test_the_recycled_rows_write_on_host_and_as_tensor_ops_agree():
     # recycle writes through numpy views for a CPU matrix and as tensor ops on a device: the same rows,
     # streaks (raised to the cap where the first candidate stays, reset where it changes) and dirty set
-    from tr_serve.tr.matrix import _write_rows, _write_rows_host
+    from tr_serve.tr.matrix import write_rows_on_device, write_rows_on_host
 
     gen = torch.Generator().manual_seed(1)
     for _ in range(20):
@@ -300,9 +300,9 @@ def test_the_recycled_rows_write_on_host_and_as_tensor_ops_agree():
         ids = torch.randperm(vocab, generator=gen)[:4]
         rows = torch.randint(0, 3, (4, 2), generator=gen, dtype=torch.int32)
         host = [t.clone() for t in (table, streak, dirty)]
-        _write_rows_host(*(t.numpy() for t in host), ids.numpy(), rows.numpy())
+        write_rows_on_host(*(t.numpy() for t in host), ids.numpy(), rows.numpy())
         expected_streak = torch.where(table[ids, 0] == rows[:, 0], (streak[ids] + 1).clamp(max=STREAK_CAP), 0)
-        _write_rows(table, streak, dirty, ids, rows)
+        write_rows_on_device(table, streak, dirty, ids, rows)
         for a, b in zip(host, (table, streak, dirty)):
             assert torch.equal(a, b)
         assert torch.equal(table[ids], rows) and dirty[ids].all() and torch.equal(streak[ids], expected_streak)

@@ -34,8 +34,8 @@ def last_occurrences(tokens: list[int]) -> list[int]:
     return sorted(last.values())
 
 
-def _write_rows_host(table: np.ndarray, streak: np.ndarray, dirty: np.ndarray, ids: np.ndarray,
-                     rows: np.ndarray) -> None:
+def write_rows_on_host(table: np.ndarray, streak: np.ndarray, dirty: np.ndarray, ids: np.ndarray,
+                       rows: np.ndarray) -> None:
     """:meth:`AdjacencyMatrix.recycle`'s write on host views: ``rows`` [n, k] at the distinct ``ids``
     [n], each row's streak raised where its first candidate stays, reset where it changes."""
     kept = table[ids, 0] == rows[:, 0]  # the first candidate written again
@@ -44,9 +44,9 @@ def _write_rows_host(table: np.ndarray, streak: np.ndarray, dirty: np.ndarray, i
     dirty[ids] = True
 
 
-def _write_rows(table: torch.Tensor, streak: torch.Tensor, dirty: torch.Tensor, ids: torch.Tensor,
-                rows: torch.Tensor) -> None:
-    """:func:`_write_rows_host` as tensor ops on the table's device."""
+def write_rows_on_device(table: torch.Tensor, streak: torch.Tensor, dirty: torch.Tensor, ids: torch.Tensor,
+                         rows: torch.Tensor) -> None:
+    """:func:`write_rows_on_host` as tensor ops on the table's device."""
     kept = table[ids, 0] == rows[:, 0]
     streak[ids] = torch.where(kept, (streak[ids] + 1).clamp_(max=STREAK_CAP), 0)
     table[ids] = rows
@@ -145,10 +145,11 @@ class AdjacencyMatrix:
         if self.table.device.type == "cpu":
             # numpy on views of the CPU tensors: right after a forward each torch op here cost several
             # microseconds more (measured in the engine at 8 rows, the whole recycle: 0.18-0.20 -> 0.13 ms per step)
-            _write_rows_host(self.table.numpy(), self.streak.numpy(), self._dirty.numpy(), np.asarray(ids), mine.numpy())
+            write_rows_on_host(self.table.numpy(), self.streak.numpy(), self._dirty.numpy(), np.asarray(ids),
+                               mine.numpy())
         else:
-            _write_rows(self.table, self.streak, self._dirty, torch.tensor(ids, dtype=torch.long, device=self.table.device),
-                        mine)
+            ids_at = torch.tensor(ids, dtype=torch.long, device=self.table.device)
+            write_rows_on_device(self.table, self.streak, self._dirty, ids_at, mine)
         if pair_index:
             picked = top[torch.tensor([at[i] for i in pair_index], dtype=torch.long)]
             pairs.write(torch.tensor([before_list[i] for i in pair_index], dtype=torch.long),
