@@ -229,8 +229,6 @@ def run_concurrency(loaded, schedule: dict[int, LevelPlan], max_new_tokens: int,
         cores[m.name] = Engine(loaded, cfg, timer=PhaseTimer(loaded.model.device, enabled=time_split))
     kernel_plan = cores[methods[0].name].runner.kernel_plan
     for n, plan in schedule.items():
-        for core in cores.values():
-            core.timer.reset()  # each level's split of the engine time is its own
         runs: dict[str, list[LevelResult]] = {m.name: [] for m in methods}
         for r, questions in enumerate(plan.rounds):
             prompts = [list(q.prompt_ids) for q in questions]
@@ -238,10 +236,11 @@ def run_concurrency(loaded, schedule: dict[int, LevelPlan], max_new_tokens: int,
             for m in order:
                 engine = AsyncEngine(cores[m.name])
                 try:
-                    if plan.warmup and r == 0:
-                        asyncio.run(_serve_all(engine, [list(q.prompt_ids) for q in plan.warmup], n,
-                                               max_new_tokens, f"warm-{m.name}-{n}"))
-                        cores[m.name].timer.reset()
+                    if r == 0:
+                        if plan.warmup:
+                            asyncio.run(_serve_all(engine, [list(q.prompt_ids) for q in plan.warmup], n,
+                                                   max_new_tokens, f"warm-{m.name}-{n}"))
+                        cores[m.name].timer.reset()  # the level's split of the engine time: its measured runs only
                     runs[m.name].append(asyncio.run(_serve_all(engine, prompts, n, max_new_tokens,
                                                                f"{m.name}-{n}-r{r}", progress)))
                 finally:
