@@ -54,8 +54,9 @@ def test_lean_steps_are_lossless(loaded, spec_bench_rows):
     lean = []
     plan_branches = budget.plan_branches
     kinds = set()  # the match lengths of the lean steps' branches
-    budget.plan_branches = lambda chains, matches: (kinds.update(matches), lean.append(plan_branches(chains, matches)),
-                                                    lean[-1])[-1]
+    budget.plan_branches = lambda chains, matches, *rest: (kinds.update(matches),
+                                                           lean.append(plan_branches(chains, matches, *rest)),
+                                                           lean[-1])[-1]
     batched = llm.generate(prompts, params)
     assert len(lean) >= 5 and any(cap > 0 for plans in lean for _, cap in plans)  # lean steps drafted branches
     assert TABLE_CHAIN_MATCH in kinds  # some rows with no context match got the matrix's confident chain

@@ -136,14 +136,33 @@ def test_context_stats_are_conditional_and_bucketed_by_match_length():
     from tr_serve.tr.budget import ContextStats
 
     stats = ContextStats(max_tokens=4, decay=1.0, prior_weight=0.0)
+    never = [False] * 4
     # a 2-token match: first token right, second wrong; the third is not observed (parent failed)
-    stats.update([(2, [True, True, False, False], [True, False, False, False])])
+    stats.update([(2, never, [True, True, False, False], [True, False, False, False])])
     # a 6-token match: all three right
-    stats.update([(6, [True, True, True, False], [True, True, True, False])])
-    assert stats.trials[stats.bucket(2)].tolist() == [1.0, 1.0, 0.0, 0.0]
-    assert stats.hits[stats.bucket(2)].tolist() == [1.0, 0.0, 0.0, 0.0]
+    stats.update([(6, never, [True, True, True, False], [True, True, True, False])])
+    assert stats.trials[stats.bucket(2), 0].tolist() == [1.0, 1.0, 0.0, 0.0]
+    assert stats.hits[stats.bucket(2), 0].tolist() == [1.0, 0.0, 0.0, 0.0]
+    assert stats.trials[:, 1].sum() == 0  # the matrix agreed with none of them
     assert stats.bucket(7) == stats.bucket(6) != stats.bucket(4) != stats.bucket(2)
-    assert stats.path_rates(6)[:3] == [1.0, 1.0, 1.0]
+    assert stats.path_rates(6, never[:3]) == [1.0, 1.0, 1.0]
+
+
+def test_context_stats_price_tokens_the_matrix_agreed_with_apart():
+    """The same match length and offset, learned apart by agreement: a token the matrix also
+    predicted is priced by the outcomes of such tokens, along the branch token by token."""
+    from tr_serve.tr.budget import ContextStats
+
+    stats = ContextStats(max_tokens=3, decay=1.0, prior_weight=0.0)
+    for _ in range(3):  # agreed, agreed: both right
+        stats.update([(2, [True, True], [True, True], [True, True])])
+    for _ in range(3):  # not agreed: the first right once in three, the second never
+        stats.update([(2, [False, False], [True, False], [False, False])])
+    stats.update([(2, [False, False], [True, True], [True, False])])
+    assert stats.path_rates(2, [True, True]) == [1.0, 1.0]
+    assert stats.path_rates(2, [False, False]) == [0.25, 0.0]
+    assert stats.path_rates(2, [True, False]) == [1.0, 0.0]
+    assert stats.path_rates(3, [True]) == [0.0]  # another bucket: nothing observed there
 
 
 def test_plan_buys_a_confident_branch_only_when_the_forward_is_cheap_enough():
@@ -341,15 +360,22 @@ def test_branch_outcomes_observe_the_first_token_past_the_cap():
     # step) would have taken 20; row 2 rejects 30, so 31 is not observed; row 3 has nothing past its cap
     choice = torch.tensor([[10, 11], [20, 0], [99, 0], [40, 5]])
     acceptance = accept_draft(batch, choice)
+    no, one = (False, False), (False,)
     assert branch_outcomes(batch, acceptance) == [
-        (2, [True, True], [True, True]),
-        (3, [True], [True]),
-        (2, [True, False], [False, False]),
-        (4, [True], [True]),
+        (2, no, [True, True], [True, True]),
+        (3, one, [True], [True]),
+        (2, no, [True, False], [False, False]),
+        (4, one, [True], [True]),
     ]
     # when the next token is wrong it counts as a miss
     wrong = accept_draft(batch, torch.tensor([[10, 77], [21, 0], [99, 0], [40, 5]]))
-    assert branch_outcomes(batch, wrong)[:2] == [(2, [True, True], [True, False]), (3, [True], [False])]
+    assert branch_outcomes(batch, wrong)[:2] == [(2, no, [True, True], [True, False]), (3, one, [True], [False])]
+    # the matrix's agreement travels with the drafted tokens and the one past the cap, not further
+    agreed = build_draft(roots, tree, torch.zeros(0, dtype=torch.long), chains=chains, match_lengths=[2, 3, 2, 4],
+                         row_nodes=[0, 0, 0, 0], caps=[1, 0, 1, 1],
+                         agreements=[[True, False, True], [False, True], [True, True], [True]])
+    assert agreed.chain_agreement == ((True, False), (False,), (True, True), (True,))
+    assert [o[1] for o in branch_outcomes(agreed, acceptance)] == [(True, False), (False,), (True, True), (True,)]
 
 
 def test_rows_without_a_branch_are_priced_by_their_own_estimates():

@@ -138,11 +138,14 @@ def test_auto_hangs_the_matrix_confident_chain_on_lean_steps_where_the_context_h
         if lean:
             budget.template_use = 0.0  # recent plans bought no template node: the next steps are lean
         plans = []
+        agreed = []
         spy(budget, "plan_branches" if lean else "plan",
-            lambda args, result: plans.append((list(args[0 if lean else 2][0]), args[1 if lean else 3][0])))
+            lambda args, result: (plans.append((list(args[0 if lean else 2][0]), args[1 if lean else 3][0])),
+                                  agreed.append(list(args[2 if lean else 5][0]))))
         assert run(engine, prompt, 40) == plain
         if lean:
             assert plans[0] == ([plain[1], plain[2]], TABLE_CHAIN_MATCH)
+            assert agreed[0] == [True, True]  # a chain of first candidates: the matrix agrees with every token
             assert budget.context_stats.trials[0].sum() > 0  # the chain's own acceptance was observed
         else:  # a full plan: the template holds the same candidates, no chain
             assert plans[0] == ([], 0)

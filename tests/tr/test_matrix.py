@@ -306,3 +306,10 @@ def test_the_recycled_rows_write_on_host_and_as_tensor_ops_agree():
         for a, b in zip(host, (table, streak, dirty)):
             assert torch.equal(a, b)
         assert torch.equal(table[ids], rows) and dirty[ids].all() and torch.equal(streak[ids], expected_streak)
+
+
+def test_first_candidates_read_each_tokens_first_candidate():
+    m = AdjacencyMatrix(V, 3)
+    m.recycle(torch.tensor([2, 5]), torch.stack([logits_ranking([7, 1]), logits_ranking([4, 2])]))
+    assert m.first_candidates([5, 2, 3, 5]) == [4, 7, EMPTY, 4]
+    assert m.first_candidates([]) == []

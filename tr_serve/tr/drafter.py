@@ -151,14 +151,15 @@ class Drafter:
                         chains[r], matches[r] = chain, TABLE_CHAIN_MATCH
         n = self.template.num_nodes if self.template is not None else 0
         cap = self.context.max_tokens if self.context is not None else 0
+        agreements = self._agreements(roots.tolist(), chains) if self.budget is not None else None
         if lean:
-            plans = self.budget.plan_branches(chains, matches)
+            plans = self.budget.plan_branches(chains, matches, agreements)
             full = roots[:, None]  # no template drafted: the root alone
         elif self.budget is not None:  # the plan first: the template is then drafted only as deep as it is used
             root_list = roots.tolist()
             before_list = before.tolist() if pairs is not None else [EMPTY] * b
             successors = self._successors([[before_list[r], root_list[r], *c[:-1]] for r, c in enumerate(chains) if c])
-            plans = self.budget.plan(root_list, successors, chains, matches, before_list)
+            plans = self.budget.plan(root_list, successors, chains, matches, before_list, agreements)
             full = propose(self.matrix, roots, self.template, self.budget.draft_depth(max(p[0] for p in plans)),
                            pairs, before)
         else:
@@ -168,8 +169,17 @@ class Drafter:
         row_nodes = [p[0] for p in plans]
         tree, nodes = self._subtree(max(row_nodes))
         template_tokens = full[:, torch.cat([torch.zeros(1, dtype=torch.long), nodes])]
-        batch = build_draft(template_tokens, tree, nodes, chains, matches, row_nodes, [p[1] for p in plans])
+        batch = build_draft(template_tokens, tree, nodes, chains, matches, row_nodes, [p[1] for p in plans],
+                            agreements)
         return replace(batch, template_draft=full, before_roots=before if pairs is not None else None)
+
+    def _agreements(self, roots: list[int], chains: list[list[int]]) -> list[list[bool]]:
+        """Per row, per branch token: whether the matrix's first candidate of the token before it
+        (the root, then the branch's own tokens) is that token, the evidence the budget prices
+        branch tokens by beside their match length (tr/budget.py ContextStats). One gather."""
+        before = [t for root, chain in zip(roots, chains) if chain for t in (root, *chain[:-1])]
+        first = iter(self.matrix.first_candidates(before))
+        return [[next(first) == tok for tok in chain] for chain in chains]
 
     def _successors(self, walks: list[list[int]]) -> Callable[[int, int], Sequence[int]]:
         """``successors(before, token)``: the candidates the proposer drafts after ``token`` (whose

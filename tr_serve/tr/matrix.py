@@ -205,6 +205,15 @@ class AdjacencyMatrix:
         self._dirty.zero_()
         self.streak.zero_()
 
+    def first_candidates(self, tokens: list[int]) -> list[int]:
+        """Each token's first candidate (EMPTY where its row holds nothing): on the host through a
+        view for a CPU matrix, one gather and one copy back on a device."""
+        if not tokens:
+            return []
+        if self.table.device.type == "cpu":
+            return self.table[:, 0].numpy()[tokens].tolist()
+        return self.table[torch.tensor(tokens, dtype=torch.long, device=self.table.device), 0].tolist()
+
     def confident_chains(self, roots: list[int], caps: list[int], min_streak: int) -> list[list[int]]:
         """Per root, the chain of first candidates from it (root -> its first candidate -> that
         token's first candidate ...) while each token it leaves has a :attr:`streak` of at least
