@@ -147,9 +147,16 @@ def test_rounds_serve_their_own_questions_and_stay_identical(tokenizer, tmp_path
     assert result["rounds"] == 3 and len(done) == 3 * 2 * 4  # rounds x methods x questions
     rounds = result["concurrency"]["2"]["question_ids"]
     assert len(rounds) == 3 and len({q for r in rounds for q in r}) == 12
-    for m in result["concurrency"]["2"]["methods"].values():
+    for name, m in result["concurrency"]["2"]["methods"].items():
         assert m["identical"] is True
         assert m["accepted"] == m["new_tokens"] - 12
+        per_round = m["throughput_vs_baseline_per_round"]  # each round's own ratio, beside the whole run's
+        assert len(per_round) == 3 and min(per_round) <= m["throughput_vs_baseline"] <= max(per_round), name
+        if name == "baseline":
+            assert per_round == [1.0, 1.0, 1.0]
+    table = markdown(result)
+    ratios = " / ".join(f"{x:.2f}" for x in result["concurrency"]["2"]["methods"]["tr:top4"]["throughput_vs_baseline_per_round"])
+    assert f"| {ratios} |" in table and "| 1.00 / 1.00 / 1.00 |" in table
 
 
 def test_cli_refuses_too_few_questions_before_loading_a_model(tmp_path, capsys):
