@@ -107,9 +107,11 @@ def _three_rows(model, body, lengths):
 
 def test_runs_of_consecutive_rows_match_the_gathered_forward(tokenizer):
     """Ascending rows with a gap attend per run of consecutive cache rows, over views of the
-    buffers: with every row at the step's width the logits equal transformers' forward over the
-    gathered rows bit for bit; rows of their own widths (one segment each) agree to float
-    rounding and in every argmax (exact per row: test_segments_attend_each_row_as_it_would_alone)."""
+    buffers: their logits agree with transformers' forward over the gathered rows to float
+    rounding and in every argmax, whether every row is at the step's width or rows have their
+    own widths (exact per row: test_segments_attend_each_row_as_it_would_alone). Not bit for
+    bit: the attention kernel reduces a run's shorter key span in other blocks, and on some CPUs
+    (CI's) that rounds differently in the last bit."""
     from tests.tiny_model import tiny_loaded
 
     model = tiny_loaded(tokenizer, seed=7, init_range=0.1).model
@@ -117,7 +119,8 @@ def test_runs_of_consecutive_rows_match_the_gathered_forward(tokenizer):
     got, runs = _three_rows(model, llama_body.body_for, None)
     assert runs == [(0, 1, 0, 1), (1, 3, 2, 4)]
     for a, b in zip(got, want):
-        assert torch.equal(a, b)
+        assert torch.allclose(a, b, rtol=0, atol=1e-5)
+        assert torch.equal(a.argmax(-1), b.argmax(-1))
     ragged = torch.tensor([3, 3, 2])
     want, _ = _three_rows(model, lambda model: None, ragged)
     got, _ = _three_rows(model, llama_body.body_for, ragged)
