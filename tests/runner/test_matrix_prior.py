@@ -98,3 +98,43 @@ def test_the_engine_seeds_a_fresh_matrix_only_where_it_drafts_from_one(tokenizer
     e = Engine(loaded, EngineConfig(model="tiny", tree="auto", max_num_seqs=1, max_model_len=64), matrix=kept)
     assert e.matrix is kept and kept.table[7].tolist() == list(range(8))  # a learned row is kept
     assert torch.equal(kept.table[8:], prior[8:]) and (kept.table != EMPTY).all()
+
+
+def test_a_packaged_prior_serves_only_the_weights_and_bos_it_was_computed_for(tokenizer, tmp_path):
+    loaded = tiny_loaded(tokenizer, seed=3)
+    table = first_token_top_k(loaded.model, 512, 8, 1)
+    path = tmp_path / "prior.npz"
+    matrix_prior.save_packaged(path, loaded.model, table, 1)
+    assert torch.equal(matrix_prior.packaged(loaded.model, 512, 8, 1, path=path), table)
+    assert torch.equal(matrix_prior.packaged(loaded.model, 512, 4, 1, path=path), table[:, :4])  # top-4 of top-8
+    assert matrix_prior.packaged(loaded.model, 512, 16, 1, path=path) is None  # more columns than it holds
+    assert matrix_prior.packaged(loaded.model, 512, 8, None, path=path) is None  # another BOS
+    assert matrix_prior.packaged(tiny_loaded(tokenizer, seed=4).model, 512, 8, 1, path=path) is None  # other weights
+    path.write_bytes(b"torn")
+    assert matrix_prior.packaged(loaded.model, 512, 8, 1, path=path) is None
+
+
+def test_the_packaged_prior_is_the_embedded_models_top_8(loaded):
+    """Checked on a sample of 64 tokens: the packaged ids' logits after [BOS, t] are the model's 8
+    largest, in order (ids may swap at exact ties only)."""
+    vocab, bos = loaded.model.config.vocab_size, loaded.tokenizer.bos_token_id
+    table = matrix_prior.packaged(loaded.model, vocab, 8, bos)
+    assert table is not None and table.shape == (vocab, 8), "the packaged prior does not match the embedded model"
+    sample = torch.linspace(0, vocab - 1, 64).long()
+    ids = torch.stack([torch.full_like(sample, bos), sample], dim=1)
+    with torch.inference_mode():
+        logits = loaded.model(input_ids=ids).logits[:, -1].float()
+    torch.testing.assert_close(logits.gather(1, table[sample].long()), logits.topk(8, dim=-1).values,
+                               rtol=1e-4, atol=1e-4)
+
+
+def test_the_engine_seeds_from_the_packaged_prior_without_computing(loaded, tmp_path, monkeypatch):
+    def fail(*a, **k):
+        raise AssertionError("computed")
+
+    monkeypatch.setattr(matrix_prior, "_cache_path", lambda key: tmp_path / f"{key}.pt")  # an empty user cache
+    monkeypatch.setattr(matrix_prior, "first_token_top_k", fail)
+    engine = Engine(loaded, EngineConfig(model="smollm2-135m-instruct", tree="top4", max_num_seqs=1, max_model_len=64))
+    vocab = loaded.model.config.vocab_size
+    assert torch.equal(engine.matrix.table, matrix_prior.packaged(loaded.model, vocab, 8, loaded.tokenizer.bos_token_id))
+    assert not list(tmp_path.iterdir())  # nothing computed, nothing written

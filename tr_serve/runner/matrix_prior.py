@@ -11,6 +11,11 @@ the snapshot holds nothing for). Drafts never change the output, so neither can 
 
 Measured in the README ("The matrix starts from the model's own prior"): on one stream of
 SmolLM2-135M, ``tr:auto`` MAT 1.71 -> 1.87 and 1.50x -> 1.57x plain decoding.
+
+The embedded model's prior also ships inside the package (``tr_serve/data``, written by
+``scripts/package_matrix_prior.py``): computing it takes about two minutes on a 2-core CPU, paid
+by every fresh machine (a user's first start, every CI run) before anything else can happen. It is
+used only for the weights it was computed from (the same fingerprint), any ``k`` up to its 8.
 """
 
 from __future__ import annotations
@@ -20,8 +25,10 @@ import hashlib
 import logging
 from pathlib import Path
 
+import numpy as np
 import torch
 
+from tr_serve.data import EMBEDDED_MATRIX_PRIOR
 from tr_serve.disk_cache import save_atomically
 from tr_serve.model_loader import cache_root
 
@@ -93,9 +100,40 @@ def _load(path: Path, vocab: int, k: int) -> torch.Tensor | None:
     return table
 
 
+def save_packaged(path: Path, model, table: torch.Tensor, bos: int | None) -> None:
+    """Write ``table`` [vocab, k] as a packaged prior of ``model`` (uint16 ids, compressed)."""
+    if int(table.max()) > np.iinfo(np.uint16).max:
+        raise ValueError("a packaged prior holds token ids below 65536 only")
+    np.savez_compressed(path, rows=table.numpy().astype(np.uint16), fingerprint=weights_fingerprint(model),
+                        bos=-1 if bos is None else bos, version=PRIOR_VERSION)
+
+
+def packaged(model, vocab: int, k: int, bos: int | None, path: Path = EMBEDDED_MATRIX_PRIOR) -> torch.Tensor | None:
+    """The packaged prior's first ``k`` columns (each row's top-k: ``topk`` sorts) when it was
+    computed from these weights with this BOS, by this version; None otherwise."""
+    if not path.exists():
+        return None
+    try:
+        with np.load(path) as data:
+            if (int(data["version"]) != PRIOR_VERSION or int(data["bos"]) != (-1 if bos is None else bos)
+                    or str(data["fingerprint"]) != weights_fingerprint(model)):
+                return None  # another model's (or an older computation's): the rows are not even read
+            rows = data["rows"]
+    except Exception as e:  # a torn or foreign file (zipfile, numpy and key errors): computed instead
+        logger.warning("ignoring unreadable packaged matrix prior %s: %s", path, e)
+        return None
+    if rows.ndim != 2 or rows.shape[0] != vocab or rows.shape[1] < k or int(rows.max()) >= vocab:
+        return None
+    return torch.from_numpy(rows[:, :k].astype(np.int32))
+
+
 def load_or_compute(model, model_id: str, vocab: int, k: int, bos: int | None) -> torch.Tensor:
-    """The prior of ``model`` from the user cache, or computed (and cached: a cache that cannot be
-    written only costs the computation next time)."""
+    """The prior of ``model``: the packaged one when it was computed from these weights, else from
+    the user cache, else computed (and cached: a cache that cannot be written only costs the
+    computation next time)."""
+    table = packaged(model, vocab, k, bos)
+    if table is not None:
+        return table
     path = _cache_path(prior_key(model, model_id, vocab, k, bos))
     table = _load(path, vocab, k)
     if table is not None:
