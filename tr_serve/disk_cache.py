@@ -4,11 +4,12 @@ measured again; one that cannot be written only costs the measurement next time.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
 from pathlib import Path
-from typing import Any, Callable, TypeVar
+from typing import Any, Callable, Iterator, TypeVar
 
 logger = logging.getLogger(__name__)
 
@@ -42,3 +43,27 @@ def save_atomically(path: Path, write: Callable[[Path], Any], what: str) -> None
         tmp.replace(path)
     except (OSError, RuntimeError) as e:
         logger.warning("could not cache the %s in %s: %s", what, path, e)
+
+
+@contextlib.contextmanager
+def exclusive(path: Path) -> Iterator[None]:
+    """Hold an exclusive lock on ``path`` + ``.lock`` across processes (``flock``) while the
+    block runs: of several processes about to measure the same thing for the cache (the ranks of
+    a tensor-parallel replica, parallel test workers), one measures while the others wait, then
+    read its result, instead of all measuring at once on contended cores. A lock that cannot be
+    taken (no ``fcntl``, a cache that cannot be written) only means no waiting."""
+    try:
+        import fcntl
+
+        path.parent.mkdir(parents=True, exist_ok=True)
+        handle = open(path.with_name(path.name + ".lock"), "a")
+    except (ImportError, OSError) as e:
+        logger.debug("no lock for %s: %s", path, e)
+        yield
+        return
+    with handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX)
+        except OSError as e:
+            logger.debug("could not lock %s: %s", path, e)
+        yield  # closing the file releases the lock

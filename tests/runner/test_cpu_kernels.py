@@ -88,6 +88,48 @@ def test_select_plan_measures_once_then_loads_from_disk(tmp_path, monkeypatch):
     assert measured == [1, 1]  # an unreadable cache is measured again, not trusted
 
 
+def test_a_plan_another_process_is_measuring_is_waited_for_and_read(tmp_path, monkeypatch):
+    """The ranks of a tensor-parallel replica (or parallel test workers) needing the same plan: one
+    measures under the cache's lock, the others wait for it and read its plan."""
+    import threading
+
+    from tr_serve.disk_cache import exclusive
+
+    monkeypatch.setenv("TR_SERVE_CACHE", str(tmp_path))
+    real = ck.measure_plan
+    monkeypatch.setattr(ck, "measure_plan", lambda linears: real(linears, points=(1, 2, 3)))
+    plan = ck.select_plan(nn.Sequential(_linear(16, 8, False), _linear(8, 16, True)))
+    [cached] = (tmp_path / "kernels").glob("*.json")
+    text = cached.read_text()
+    cached.unlink()
+    measured = []
+    monkeypatch.setattr(ck, "measure_plan", lambda linears: measured.append(1) or real(linears, points=(1, 2, 3)))
+    holding = threading.Event()
+
+    def other_process_measuring():  # a second open file: flock locks it apart, as in another process
+        with exclusive(cached):
+            holding.set()
+            time.sleep(0.5)
+            cached.write_text(text)
+
+    other = threading.Thread(target=other_process_measuring)
+    other.start()
+    holding.wait()
+    got = ck.select_plan(nn.Sequential(_linear(16, 8, False), _linear(8, 16, True)))
+    other.join()
+    assert measured == [] and got == plan
+
+
+def test_a_lock_that_cannot_be_taken_only_means_no_waiting(tmp_path):
+    from tr_serve.disk_cache import exclusive
+
+    (tmp_path / "file").write_text("")
+    ran = []
+    with exclusive(tmp_path / "file" / "plan.json"):  # its folder cannot be made
+        ran.append(1)
+    assert ran == [1]
+
+
 def test_runner_logits_match_torch_kernels(tokenizer):
     from tests.tiny_model import tiny_loaded
 

@@ -10,7 +10,7 @@ import time
 
 import torch
 
-from tr_serve.disk_cache import load_json, save_json
+from tr_serve.disk_cache import exclusive, load_json, save_json
 from tr_serve.model_loader import cache_root
 from tr_serve.runner.model_runner import ModelRunner
 from tr_serve.tr.budget import LatencyTable
@@ -83,10 +83,14 @@ def load_or_measure(runner: ModelRunner, model_id: str, max_tokens: int) -> Late
     table = load_json(path, lambda data: parse_table(data, max_tokens), "calibration")
     if table is not None:
         return table
-    logger.info("calibrating forward latency on %s (cached in %s)", _device_name(runner.device), path)
-    table = measure(runner, max_tokens)
-    save_json(path, {"tokens": table.tokens, "seconds": table.seconds, "device": _device_name(runner.device),
-                     "model": model_id}, "calibration")
+    with exclusive(path):  # another process calibrating the same table: wait for it, then read it
+        table = load_json(path, lambda data: parse_table(data, max_tokens), "calibration")
+        if table is not None:
+            return table
+        logger.info("calibrating forward latency on %s (cached in %s)", _device_name(runner.device), path)
+        table = measure(runner, max_tokens)
+        save_json(path, {"tokens": table.tokens, "seconds": table.seconds, "device": _device_name(runner.device),
+                         "model": model_id}, "calibration")
     return table
 
 

@@ -550,10 +550,26 @@ def _parse_plan(data: dict) -> tuple[KernelPlan, bool]:
     return plan, bool(data.get("measurement", {}).get("provisional", False))
 
 
+def _cached_plan(path) -> KernelPlan | None:
+    """The plan cached at ``path``; None when absent, unreadable, or provisional while the machine
+    is quiet now (a plan measured on a busy machine is measured again at a quiet start)."""
+    from tr_serve.disk_cache import load_json
+
+    loaded = load_json(path, _parse_plan, "kernel plan")
+    if loaded is None:
+        return None
+    plan, provisional = loaded
+    busy = _cpu_busy()
+    if provisional and busy is not None and busy < QUIET_SHARE:
+        logger.info("the cached kernel plan was measured on a busy machine: measuring again")
+        return None
+    return plan
+
+
 def select_plan(model: nn.Module) -> KernelPlan | None:
     """The kernel plan for ``model`` on this CPU: loaded from the cache or measured (several seconds
     for SmolLM2-135M). None when the model has no fp32 CPU linears."""
-    from tr_serve.disk_cache import load_json, save_json
+    from tr_serve.disk_cache import exclusive, save_json
     from tr_serve.model_loader import cache_root
 
     cached = getattr(model, "_tr_kernel_plan", None)
@@ -564,23 +580,22 @@ def select_plan(model: nn.Module) -> KernelPlan | None:
     fuse_siblings(model)
     calls = kernel_calls(model)
     path = cache_root() / "kernels" / f"{plan_key(calls)}.json"
-    loaded = load_json(path, _parse_plan, "kernel plan")
-    plan = None
-    if loaded is not None:
-        plan, provisional = loaded
-        busy = _cpu_busy()
-        if provisional and busy is not None and busy < QUIET_SHARE:
-            logger.info("the cached kernel plan was measured on a busy machine: measuring again")
-            plan = None
+    plan = _cached_plan(path)
     if plan is None:
-        logger.info("measuring CPU linear kernels (cached in %s)", path)
-        plan, seconds, info = measure_plan(calls)
-        save_json(path, {"version": PLAN_VERSION, "points": plan.points, "kernels": plan.kernels,
-                         "rows": plan.rows, "seconds": {str(n): t for n, t in seconds.items()},
-                         "measurement": info}, "kernel plan")
-    else:
-        for k in PREPACKED:
-            if k in plan.kernels:
-                _pack(calls, k)
+        # one process measures a plan while any other about to measure the same one (the ranks of a
+        # tensor-parallel replica, parallel test workers) waits for it, then reads it
+        with exclusive(path):
+            plan = _cached_plan(path)
+            if plan is None:
+                logger.info("measuring CPU linear kernels (cached in %s)", path)
+                plan, seconds, info = measure_plan(calls)  # packs the weights for the kernels it keeps
+                save_json(path, {"version": PLAN_VERSION, "points": plan.points, "kernels": plan.kernels,
+                                 "rows": plan.rows, "seconds": {str(n): t for n, t in seconds.items()},
+                                 "measurement": info}, "kernel plan")
+                model._tr_kernel_plan = plan
+                return plan
+    for k in PREPACKED:
+        if k in plan.kernels:
+            _pack(calls, k)
     model._tr_kernel_plan = plan
     return plan
