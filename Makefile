@@ -5,6 +5,9 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 PYTEST_ARGS ?= -q
+# pytest workers: the tests run on one torch thread each, so two workers use both cores of a
+# 2-core CI machine (tests/conftest.py keeps a file's tests, and all Ray tests, on one worker)
+TEST_WORKERS ?= 2
 
 .PHONY: setup run generate test bench clean
 
@@ -28,7 +31,7 @@ generate: setup
 	$(VENV)/bin/tr-serve generate --prompt "Explain speculative decoding in two sentences." --max-tokens 96
 
 test: setup
-	$(PY) -m pytest tests $(PYTEST_ARGS)
+	$(PY) -m pytest tests -n $(TEST_WORKERS) --dist loadgroup $(PYTEST_ARGS)
 
 bench: setup
 	$(VENV)/bin/tr-serve bench --per-category 2 --json bench_out/bench.json

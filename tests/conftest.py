@@ -17,13 +17,21 @@ torch.set_num_threads(1)
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
 SPEC_BENCH = SPEC_BENCH_DEV  # packaged with tr_serve (tr_serve/data)
 RAY_TEST_DIRS = tuple(str(Path(__file__).parent / d) for d in ("serve", "tp"))
+# every test that starts Ray (a local instance, or `tr-serve run` in a subprocess)
+RAY_TESTS = RAY_TEST_DIRS + (str(Path(__file__).parent / "fleet" / "test_fleet_ray.py"),)
 
 
 def pytest_collection_modifyitems(config, items):
-    # Ray's own pydantic models emit deprecation warnings on import; they are not ours to fix
+    parallel = config.pluginmanager.hasplugin("xdist")
     for item in items:
-        if str(item.fspath).startswith(RAY_TEST_DIRS):
+        path = str(item.fspath)
+        if path.startswith(RAY_TEST_DIRS):
+            # Ray's own pydantic models emit deprecation warnings on import; they are not ours to fix
             item.add_marker(pytest.mark.filterwarnings("ignore::DeprecationWarning"))
+        if parallel:
+            # `make test` runs two pytest workers (--dist loadgroup): a file's tests stay together (its
+            # module fixtures are built once), and the Ray tests share one worker, one Ray instance at a time
+            item.add_marker(pytest.mark.xdist_group("ray" if path.startswith(RAY_TESTS) else path))
 
 
 @pytest.fixture(scope="session")

@@ -23,7 +23,9 @@ def test_cli_generate_bad_tree_exits_2():
 
 
 def test_cli_generate_prints_text_and_mat():
-    env = dict(os.environ, TOKENIZERS_PARALLELISM="false")
+    # one torch thread, as the rest of the suite: the kernel plan measured for it is reused (a fresh
+    # machine would otherwise measure one more plan, for torch's default of every core: about a minute)
+    env = dict(os.environ, TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS="1")
     proc = subprocess.run(_cli() + ["generate", "--prompt", "What is the capital of France?", "--max-tokens", "8",
                                     "--tree", "top4"],
                           capture_output=True, text=True, timeout=600, env=env)
