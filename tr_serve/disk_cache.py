@@ -67,3 +67,17 @@ def exclusive(path: Path) -> Iterator[None]:
         except OSError as e:
             logger.debug("could not lock %s: %s", path, e)
         yield  # closing the file releases the lock
+
+
+def load_or_make(path: Path, load: Callable[[], T | None], make: Callable[[], T]) -> tuple[T, bool]:
+    """``load()`` (the cached value at ``path``, or None), else ``make()`` (measure it and save it)
+    under :func:`exclusive`, after one more ``load()`` there: a process that waited for another one
+    measuring the same value reads it instead of measuring again. Returns (value, made here)."""
+    value = load()
+    if value is not None:
+        return value, False
+    with exclusive(path):
+        value = load()
+        if value is not None:
+            return value, False
+        return make(), True

@@ -10,7 +10,7 @@ import time
 
 import torch
 
-from tr_serve.disk_cache import exclusive, load_json, save_json
+from tr_serve.disk_cache import load_json, load_or_make, save_json
 from tr_serve.model_loader import cache_root
 from tr_serve.runner.model_runner import ModelRunner
 from tr_serve.tr.budget import LatencyTable
@@ -80,17 +80,16 @@ def measure(runner: ModelRunner, max_tokens: int, context: int = 256, repeats: i
 
 def load_or_measure(runner: ModelRunner, model_id: str, max_tokens: int) -> LatencyTable:
     path = cache_root() / "calibration" / f"{calibration_key(model_id, runner)}.json"
-    table = load_json(path, lambda data: parse_table(data, max_tokens), "calibration")
-    if table is not None:
-        return table
-    with exclusive(path):  # another process calibrating the same table: wait for it, then read it
-        table = load_json(path, lambda data: parse_table(data, max_tokens), "calibration")
-        if table is not None:
-            return table
+
+    def calibrate() -> LatencyTable:
         logger.info("calibrating forward latency on %s (cached in %s)", _device_name(runner.device), path)
         table = measure(runner, max_tokens)
         save_json(path, {"tokens": table.tokens, "seconds": table.seconds, "device": _device_name(runner.device),
                          "model": model_id}, "calibration")
+        return table
+
+    table, _ = load_or_make(path, lambda: load_json(path, lambda data: parse_table(data, max_tokens), "calibration"),
+                            calibrate)
     return table
 
 

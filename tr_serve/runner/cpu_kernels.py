@@ -569,7 +569,7 @@ def _cached_plan(path) -> KernelPlan | None:
 def select_plan(model: nn.Module) -> KernelPlan | None:
     """The kernel plan for ``model`` on this CPU: loaded from the cache or measured (several seconds
     for SmolLM2-135M). None when the model has no fp32 CPU linears."""
-    from tr_serve.disk_cache import exclusive, save_json
+    from tr_serve.disk_cache import load_or_make, save_json
     from tr_serve.model_loader import cache_root
 
     cached = getattr(model, "_tr_kernel_plan", None)
@@ -580,22 +580,21 @@ def select_plan(model: nn.Module) -> KernelPlan | None:
     fuse_siblings(model)
     calls = kernel_calls(model)
     path = cache_root() / "kernels" / f"{plan_key(calls)}.json"
-    plan = _cached_plan(path)
-    if plan is None:
-        # one process measures a plan while any other about to measure the same one (the ranks of a
-        # tensor-parallel replica, parallel test workers) waits for it, then reads it
-        with exclusive(path):
-            plan = _cached_plan(path)
-            if plan is None:
-                logger.info("measuring CPU linear kernels (cached in %s)", path)
-                plan, seconds, info = measure_plan(calls)  # packs the weights for the kernels it keeps
-                save_json(path, {"version": PLAN_VERSION, "points": plan.points, "kernels": plan.kernels,
-                                 "rows": plan.rows, "seconds": {str(n): t for n, t in seconds.items()},
-                                 "measurement": info}, "kernel plan")
-                model._tr_kernel_plan = plan
-                return plan
-    for k in PREPACKED:
-        if k in plan.kernels:
-            _pack(calls, k)
+
+    def measure() -> KernelPlan:
+        logger.info("measuring CPU linear kernels (cached in %s)", path)
+        plan, seconds, info = measure_plan(calls)  # packs the weights for the kernels it keeps
+        save_json(path, {"version": PLAN_VERSION, "points": plan.points, "kernels": plan.kernels,
+                         "rows": plan.rows, "seconds": {str(n): t for n, t in seconds.items()},
+                         "measurement": info}, "kernel plan")
+        return plan
+
+    # one process measures a plan while any other about to measure the same one (the ranks of a
+    # tensor-parallel replica, parallel test workers) waits for it, then reads it
+    plan, measured = load_or_make(path, lambda: _cached_plan(path), measure)
+    if not measured:
+        for k in PREPACKED:
+            if k in plan.kernels:
+                _pack(calls, k)
     model._tr_kernel_plan = plan
     return plan
