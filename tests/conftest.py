@@ -32,6 +32,10 @@ def pytest_collection_modifyitems(config, items):
             # `make test` runs two pytest workers (--dist loadgroup): a file's tests stay together (its
             # module fixtures are built once), and the Ray tests share one worker, one Ray instance at a time
             item.add_marker(pytest.mark.xdist_group("ray" if path.startswith(RAY_TESTS) else path))
+    if parallel:
+        # the Ray group first: it is by far the longest unit (its Serve and TP tests take minutes each), so
+        # one worker starts it at once while the other takes every other file
+        items.sort(key=lambda item: not str(item.fspath).startswith(RAY_TESTS))  # stable: order kept within
 
 
 @pytest.fixture(scope="session")
