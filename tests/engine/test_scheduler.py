@@ -56,6 +56,24 @@ def test_prefill_chunks_fill_the_token_budget_in_order():
     assert chunks[1].tokens == [1, 2, 3, 4]
 
 
+def test_a_half_prefilled_request_on_a_high_row_runs_in_row_order():
+    """The budget goes in admission order; the forward gets the chunks in row order (the runner's
+    segment layout needs ascending rows)."""
+    s = Scheduler(num_rows=3, max_prefill_tokens=16)
+    for rid, n in (("a", 4), ("b", 4), ("c", 12)):
+        s.add(request(rid, n))
+    s.admit()  # a: row 0, b: row 1, c: row 2
+    for c in s.prefill_chunks():
+        c.request.num_prefilled += len(c.tokens)  # c: 8 of 12
+    for rid in ("a", "b"):
+        s.start_decoding(next(r for r in s.prefilling if r.request_id == rid))
+    s.retire([r for r in s.running])  # rows 0 and 1 free again
+    s.add(request("d", 3))
+    s.admit()  # d: row 0, admitted after c
+    chunks = s.prefill_chunks()
+    assert [(c.request.request_id, c.request.row, len(c.tokens)) for c in chunks] == [("d", 0, 3), ("c", 2, 4)]
+
+
 def test_prefill_and_decode_alternate_and_decode_runs_in_row_order():
     s = Scheduler(num_rows=4, max_prefill_tokens=100)
     for rid in ("a", "b", "c"):
