@@ -59,3 +59,22 @@ def test_measure_times_large_counts_once(tokenizer, monkeypatch):
     assert seen.count(8) == 4 and seen.count(192) == 2  # warm-up + 3 rounds; warm-up + once
     assert table.tokens == (8, 192) and table.seconds[0] <= table.seconds[1]
     assert all(isinstance(t, float) and t > 0 for t in table.seconds)
+
+
+def test_a_changed_native_kernel_keys_a_new_table_and_plan(tokenizer, monkeypatch):
+    """The latency table and the kernel plan were measured with the compiled kernels of their day:
+    a kernel whose source changed (the panel GEMM's grouping, say) is timed again, not priced with
+    the old figures."""
+    from tests.tiny_model import tiny_loaded
+    from tr_serve.runner import cpu_kernels, panel_gemm, tree_attention
+
+    model = tiny_loaded(tokenizer).model
+    runner = ModelRunner(model, 1, 64)
+    calls = cpu_kernels.kernel_calls(model)
+    table, plan = calibration.calibration_key("m", runner), cpu_kernels.plan_key(calls)
+    assert calibration.calibration_key("m", runner) == table  # stable
+    monkeypatch.setattr(tree_attention.KERNEL, "source", tree_attention.KERNEL.source + "\n")
+    assert calibration.calibration_key("m", runner) != table and cpu_kernels.plan_key(calls) == plan
+    monkeypatch.undo()
+    monkeypatch.setattr(panel_gemm.KERNEL, "source", panel_gemm.KERNEL.source + "\n")
+    assert calibration.calibration_key("m", runner) != table and cpu_kernels.plan_key(calls) != plan

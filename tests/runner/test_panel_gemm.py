@@ -71,6 +71,20 @@ def test_one_row_four_panels_at_a_time_gives_the_rows_result_of_any_batch(n):
     torch.testing.assert_close(batch, F.linear(x, w), rtol=1e-4, atol=1e-4)
 
 
+@needs_kernel
+@pytest.mark.parametrize("n", [16, 32, 48, 64, 80, 192, 576])
+def test_rows_past_sixteen_give_each_rows_result_alone(n):
+    """Past 16 rows the last chunk runs 1, 2 or 4 panels at a time, chosen by the panel count and
+    the threads: every row's result is still bit for bit the row's own, for every remainder."""
+    g = torch.Generator().manual_seed(n + 7)
+    w, x = torch.randn(n, 136, generator=g), torch.randn(41, 136, generator=g)
+    p = pg.pack(w)
+    alone = torch.cat([pg.linear(x[r : r + 1], p, n) for r in range(41)])
+    for m in (17, 18, 19, 20, 21, 24, 25, 32, 33, 36, 41):
+        assert torch.equal(pg.linear(x[:m], p, n), alone[:m]), m
+    torch.testing.assert_close(alone, F.linear(x, w), rtol=1e-4, atol=1e-4)
+
+
 def test_unavailable_without_a_compiler(monkeypatch):
     monkeypatch.setattr(pg.KERNEL, "tried", False)
     monkeypatch.setattr(pg.KERNEL, "lib", None)

@@ -12,6 +12,7 @@ import torch
 
 from tr_serve.disk_cache import load_json, load_or_make, save_json
 from tr_serve.model_loader import cache_root
+from tr_serve.runner import layer_ops, panel_gemm, tree_attention
 from tr_serve.runner.model_runner import ModelRunner
 from tr_serve.tr.budget import LatencyTable
 
@@ -33,8 +34,9 @@ def calibration_key(model_id: str, runner: ModelRunner) -> str:
     attention = "tree-attention" if getattr(runner, "tree_attention", False) else "sdpa"  # the kernels timed
     if getattr(runner, "layer_ops", False):
         attention += "+layer-ops"
+    kernels = "-".join(k.digest for k in (panel_gemm.KERNEL, tree_attention.KERNEL, layer_ops.KERNEL))
     raw = (f"{model_id}|{_device_name(runner.device)}|{runner.dtype}|{torch.__version__}|{runner.kernel_plan}|"
-           f"{attention}|{POINTS}|median")  # a table measured at other counts or otherwise is measured again
+           f"{attention}|{kernels}|{POINTS}|median")  # a table measured at other counts, otherwise or with other kernels is measured again
     return hashlib.sha256(raw.encode()).hexdigest()[:20]
 
 

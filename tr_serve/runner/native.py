@@ -165,3 +165,9 @@ class Kernel:
 
     def get(self) -> ctypes.CDLL | None:
         return self.lib if self.tried else self.load()
+
+    @property
+    def digest(self) -> str:
+        """A short hash of the source: part of the keys of what was measured with this kernel (the
+        kernel plan, the latency table), so a changed kernel is measured again."""
+        return hashlib.sha256(self.source.encode()).hexdigest()[:12]
