@@ -72,16 +72,23 @@ def test_one_row_four_panels_at_a_time_gives_the_rows_result_of_any_batch(n):
 
 
 @needs_kernel
-@pytest.mark.parametrize("n", [16, 32, 48, 64, 80, 192, 576])
-def test_rows_past_sixteen_give_each_rows_result_alone(n):
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("n", [16, 32, 48, 64, 80, 128, 192, 208, 576])
+def test_rows_past_sixteen_give_each_rows_result_alone(n, threads):
     """Past 16 rows the last chunk runs 1, 2 or 4 panels at a time, chosen by the panel count and
-    the threads: every row's result is still bit for bit the row's own, for every remainder."""
+    the threads (at 2 threads: 4 for 8 panels, 2 for 4, 12 or 36, 1 for 1, 5 or 13): every row's result is
+    still bit for bit the row's own, for every remainder."""
     g = torch.Generator().manual_seed(n + 7)
     w, x = torch.randn(n, 136, generator=g), torch.randn(41, 136, generator=g)
     p = pg.pack(w)
-    alone = torch.cat([pg.linear(x[r : r + 1], p, n) for r in range(41)])
-    for m in (17, 18, 19, 20, 21, 24, 25, 32, 33, 36, 41):
-        assert torch.equal(pg.linear(x[:m], p, n), alone[:m]), m
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        alone = torch.cat([pg.linear(x[r : r + 1], p, n) for r in range(41)])
+        for m in (17, 18, 19, 20, 21, 24, 25, 32, 33, 36, 41):
+            assert torch.equal(pg.linear(x[:m], p, n), alone[:m]), m
+    finally:
+        torch.set_num_threads(before)
     torch.testing.assert_close(alone, F.linear(x, w), rtol=1e-4, atol=1e-4)
 
 
