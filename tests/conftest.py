@@ -35,7 +35,7 @@ def pytest_collection_modifyitems(config, items):
     if parallel:
         # the Ray group first: it is by far the longest unit (its Serve and TP tests take minutes each), so
         # one worker starts it at once while the other takes every other file
-        items.sort(key=lambda item: not str(item.fspath).startswith(RAY_TESTS))  # stable: order kept within
+        items.sort(key=lambda item: item.get_closest_marker("xdist_group").args[0] != "ray")  # stable
 
 
 @pytest.fixture(scope="session")

@@ -35,8 +35,9 @@ def calibration_key(model_id: str, runner: ModelRunner) -> str:
     if getattr(runner, "layer_ops", False):
         attention += "+layer-ops"
     kernels = "-".join(k.digest for k in (panel_gemm.KERNEL, tree_attention.KERNEL, layer_ops.KERNEL))
+    # a table measured at other counts, otherwise or with other compiled kernels is measured again
     raw = (f"{model_id}|{_device_name(runner.device)}|{runner.dtype}|{torch.__version__}|{runner.kernel_plan}|"
-           f"{attention}|{kernels}|{POINTS}|median")  # a table measured at other counts, otherwise or with other kernels is measured again
+           f"{attention}|{kernels}|{POINTS}|median")
     return hashlib.sha256(raw.encode()).hexdigest()[:20]
 
 

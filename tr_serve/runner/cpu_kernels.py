@@ -524,7 +524,8 @@ def measure_plan(calls: list, points: tuple[int, ...] = POINTS,
 def plan_key(calls: list) -> str:
     shapes = sorted({(m.out_features, m.in_features, m.bias is not None) for m in calls})
     raw = (f"v{PLAN_VERSION}|{shapes}|{len(calls)}|{platform.machine()}|{platform.processor()}"
-           f"|threads{torch.get_num_threads()}|{torch.__version__}|{available_kernels()}|panel-{panel_gemm.KERNEL.digest}")
+           f"|threads{torch.get_num_threads()}|{torch.__version__}|{available_kernels()}"
+           f"|panel-{panel_gemm.KERNEL.digest}")  # a plan timed with another panel GEMM is measured again
     return hashlib.sha256(raw.encode()).hexdigest()[:20]
 
 
