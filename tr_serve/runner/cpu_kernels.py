@@ -201,6 +201,11 @@ class FusedGroup:
         return out
 
 
+def active_plan() -> KernelPlan | None:
+    """The plan of the enclosing :meth:`KernelPlan.active` block on this thread (None outside one)."""
+    return getattr(_state, "plan", None)
+
+
 def _stash() -> dict:
     stash = getattr(_state, "stash", None)
     if stash is None:

@@ -16,12 +16,13 @@ attention implementation or a model in training mode runs transformers' own forw
 from __future__ import annotations
 
 import sys
+import weakref
 from typing import Callable
 
 import torch
 import torch.nn.functional as F
 
-from tr_serve.runner import layer_ops, tree_attention
+from tr_serve.runner import cpu_kernels, layer_driver, layer_ops, tree_attention
 
 _ATTENTION = ("sdpa", "tr_serve_sdpa")  # the implementations whose arithmetic the body reproduces
 
@@ -58,6 +59,7 @@ def _build(model) -> Callable | None:
     rotary = getattr(sys.modules.get(type(model).__module__), "apply_rotary_pos_emb", None)
     if rotary is None:
         return None
+    drivers: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # per KV cache: the C loop's view of the model
 
     def body(input_ids: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor | None, cache,
              real: torch.Tensor | None = None, widths: list[int] | None = None,
@@ -84,8 +86,13 @@ def _build(model) -> Callable | None:
             cos, sin = flat(cos.expand(b, s, -1)), flat(sin.expand(b, s, -1))
         t = h.shape[1]
         if native and segments is not None:
-            return _native_layers(layers, inner.norm, h.contiguous(), cos.contiguous(), sin.contiguous(), cache,
-                                  segments, mask, queries)
+            h, cos, sin = h.contiguous(), cos.contiguous(), sin.contiguous()
+            driver = None
+            if queries is not None and layer_driver.applies(cpu_kernels.active_plan(), t):
+                driver = _driver(drivers, layers, inner.norm, cache)
+            if driver is not None:
+                return layer_driver.run(driver, h, cos, sin, *cache.packed_targets(), queries)
+            return _native_layers(layers, inner.norm, h, cos, sin, cache, segments, mask, queries)
         for i, layer in enumerate(layers):
             attn = layer.self_attn
             x = layer.input_layernorm(h)
@@ -115,6 +122,16 @@ def _build(model) -> Callable | None:
         return inner.norm(h).reshape(-1, h.shape[-1])  # packed, row order
 
     return body
+
+
+def _driver(drivers: dict, layers, final_norm, cache) -> layer_driver.DriverModel | None:
+    """The C loop's view of the model for ``cache`` (:func:`layer_driver.prepare`), rebuilt when the
+    first layer's panels are no longer the ones it addresses (the kernel plan packed them again)."""
+    driver = drivers.get(cache, False)
+    group = getattr(layers[0].self_attn.q_proj, "group", None)
+    if driver is False or (driver is not None and (group is None or driver.tensors[0] is not group.panels)):
+        driver = drivers[cache] = layer_driver.prepare(layers, final_norm, cache)
+    return driver
 
 
 def _native_layers(layers, final_norm, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache, segments,

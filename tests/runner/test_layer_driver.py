@@ -1,0 +1,116 @@
+"""The native loop over a verify step's decoder layers: bit-identical to the Python loop over the
+same kernels, taken only where it computes what the layers do."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tr_serve.runner import cpu_kernels as ck
+from tr_serve.runner import layer_driver, layer_ops
+from tr_serve.runner.model_runner import ModelRunner
+from tests.tiny_model import small_llama
+
+needs_kernel = pytest.mark.skipif(layer_driver.KERNEL.get() is None,
+                                  reason="no C compiler or torch without libgomp here")
+
+PANEL = ck.KernelPlan(points=(64,), kernels=("panel",))
+
+
+def _panel_llama(fuse: bool = True):
+    model = small_llama()  # hidden 64, 4 heads of 16 on 2 key/value heads, intermediate 96
+    ck.kernel_linears(model)
+    if fuse:
+        ck.fuse_siblings(model)
+    ck._pack(ck.kernel_calls(model), "panel")
+    return model
+
+
+def _steps(runner: ModelRunner):
+    """A prefill, a ragged three-row tree step and a one-token step: their logits."""
+    last, _ = runner.prefill(torch.tensor([0, 1, 3]), [[5, 9, 11], [7, 7, 300, 2, 8] * 8, [40]])
+    tokens = torch.tensor([[3, 4, 5, 6], [8, 9, 0, 0], [1, 0, 0, 0]])
+    depths = torch.tensor([[0, 1, 1, 2], [0, 1, 0, 0], [0, 0, 0, 0]])
+    tree = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 1, 0, 1]], dtype=torch.bool)
+    verified = runner.verify(torch.tensor([0, 1, 3]), tokens, depths, tree, torch.tensor([4, 2, 1]))
+    alone = runner.verify(torch.tensor([1]), tokens[1:2, :1], depths[1:2, :1], tree[:1, :1])
+    return last, verified, alone
+
+
+@needs_kernel
+def test_verify_steps_through_the_driver_equal_the_python_loop_bit_for_bit(monkeypatch):
+    model = _panel_llama()
+    runs, silu = [], []
+    real_run, real_silu = layer_driver.run, layer_ops.silu_mul
+    monkeypatch.setattr(layer_driver, "run", lambda *a: runs.append(1) or real_run(*a))
+    monkeypatch.setattr(layer_ops, "silu_mul", lambda *a: silu.append(1) or real_silu(*a))
+    runner = ModelRunner(model, 4, 96, kernel_plan=PANEL)
+    assert runner.layer_ops
+    with_driver = _steps(runner)
+    assert len(runs) == 2  # both verify steps; the 40-token prefill attends through torch's kernel
+    assert len(silu) == model.config.num_hidden_layers  # the prefill's Python loop only
+
+    monkeypatch.setattr(layer_driver, "applies", lambda plan, tokens: False)
+    without = _steps(ModelRunner(model, 4, 96, kernel_plan=PANEL))
+    assert len(runs) == 2
+    for a, b in zip(with_driver, without):
+        assert torch.equal(a, b)
+
+
+@needs_kernel
+def test_the_driver_fills_the_cache_as_the_python_loop_does(monkeypatch):
+    model = _panel_llama()
+    caches = []
+    for use in (True, False):
+        if not use:
+            monkeypatch.setattr(layer_driver, "applies", lambda plan, tokens: False)
+        runner = ModelRunner(model, 2, 64, kernel_plan=PANEL)
+        runner.prefill(torch.tensor([1]), [[3, 1, 4, 1, 5]])
+        runner.verify(torch.tensor([1]), torch.tensor([[9, 2, 6]]), torch.tensor([0, 1, 1]),
+                      torch.tensor([[1, 0, 0], [1, 1, 0], [1, 0, 1]], dtype=torch.bool))
+        runner.compact(torch.tensor([1]), [torch.tensor([0, 2])])
+        caches.append([(layer.keys.clone(), layer.values.clone()) for layer in runner.cache.layers])
+    for (k1, v1), (k2, v2) in zip(*caches):
+        assert torch.equal(k1, k2) and torch.equal(v1, v2)
+        assert k1[1, :, :7].abs().sum() > 0 and k1[0].abs().sum() == 0  # row 1's slots written, row 0 untouched
+
+
+def test_applies_only_where_every_linear_runs_the_panel_gemm_on_the_real_rows():
+    assert not layer_driver.applies(None, 1)
+    mixed = ck.KernelPlan(points=(2, 16, 64), kernels=("mkl_nt", "panel", "torch"))
+    assert not layer_driver.applies(mixed, 2)
+    assert layer_driver.applies(mixed, 3) and layer_driver.applies(mixed, 16)
+    assert not layer_driver.applies(mixed, 17)
+    assert not layer_driver.applies(mixed, 65)  # past the last point: torch's kernel
+    padded = ck.KernelPlan(points=(8, 16), kernels=("panel", "panel"), rows=(8, 16))
+    assert layer_driver.applies(padded, 8)
+    padded = ck.KernelPlan(points=(8, 16), kernels=("panel", "panel"), rows=(16, 16))
+    assert not layer_driver.applies(padded, 5)  # runs 16 rows, not 5
+
+
+@needs_kernel
+def test_prepare_declines_layers_it_does_not_compute():
+    runner = ModelRunner(_panel_llama(), 1, 32, kernel_plan=PANEL)
+    inner = runner.model.model
+    assert layer_driver.prepare(list(inner.layers), inner.norm, runner.cache) is not None
+    unfused = _panel_llama(fuse=False)
+    assert layer_driver.prepare(list(unfused.model.layers), unfused.model.norm, runner.cache) is None
+    biased = _panel_llama()
+    biased.model.layers[1].self_attn.o_proj.bias = torch.nn.Parameter(torch.zeros(64), requires_grad=False)
+    assert layer_driver.prepare(list(biased.model.layers), biased.model.norm, runner.cache) is None
+    eps = _panel_llama()
+    eps.model.layers[1].post_attention_layernorm.variance_epsilon = 1e-3
+    assert layer_driver.prepare(list(eps.model.layers), eps.model.norm, runner.cache) is None
+
+
+def test_switched_off_the_python_loop_runs(monkeypatch):
+    monkeypatch.setattr(layer_driver.KERNEL, "tried", False)
+    monkeypatch.setattr(layer_driver.KERNEL, "lib", None)
+    monkeypatch.setenv("TR_SERVE_LAYER_DRIVER", "0")
+    assert layer_driver.KERNEL.get() is None
+    runner = ModelRunner(_panel_llama(), 1, 32, kernel_plan=PANEL)
+    inner = runner.model.model
+    assert layer_driver.prepare(list(inner.layers), inner.norm, runner.cache) is None
+    runner.prefill(torch.tensor([0]), [[1, 2, 3]])
+    assert runner.verify(torch.tensor([0]), torch.tensor([[4]]), torch.tensor([0]),
+                         torch.ones(1, 1, dtype=torch.bool)).shape == (1, 1, 512)

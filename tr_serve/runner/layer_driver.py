@@ -1,0 +1,243 @@
+"""A verify step's decoder layers in one native call: the loop of :func:`llama_body._native_layers`
+written in C, calling the same compiled kernels (panel GEMM, layer ops, tree attention) in the same
+order on the same buffers, so its hidden states are bit-identical to the Python loop's.
+
+Why: between its kernels, the Python loop spends about 10% of a one-token forward of SmolLM2-135M
+(2 threads, context 256; sampled with py-spy: ~3.7 of ~37 ms) in module calls, views, argument
+checks and ctypes marshalling, 16 calls per layer. Every one of them follows a GEMM that has just
+streamed megabytes of weights through the caches, so the interpreter's objects are cold each time
+(a 15 us kernel call measured 140-190 us right after a large memory pass). A plain C loop over
+pointers has almost nothing to bring back into the cache.
+
+It takes the steps that the native path takes with tree attention (``queries`` given), where every
+linear layer of the step runs the panel GEMM (the kernel plan's choice for the step's token count),
+the attention projections and the MLP's gate and up are fused siblings, no linear has a bias and all
+widths are multiples of 16. Otherwise :func:`prepare` or :func:`applies` says no and the Python loop
+runs. Without a compiler, on a failed self-check, or with ``TR_SERVE_LAYER_DRIVER=0``, likewise.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+
+import torch
+
+from tr_serve.runner import layer_ops, native, panel_gemm, tree_attention
+
+SOURCE = r"""
+#include <stdint.h>
+#include <string.h>
+
+typedef int (*gemm_t)(const float *, int64_t, const float *, float *, int64_t, int64_t, int64_t, int64_t, int);
+typedef int (*norm_t)(float *, int64_t, const float *, int64_t, float *, int64_t, const float *, int64_t, int64_t,
+                      float, int);
+typedef int (*rope_t)(float *, int64_t, const float *, int64_t, const float *, int64_t, const float *, const float *,
+                      int64_t, int64_t, int64_t, int64_t, float *, float *, int64_t, const int64_t *,
+                      const int64_t *, int);
+typedef int (*silu_t)(const float *, int64_t, const float *, int64_t, float *, int64_t, int64_t, int);
+typedef int (*attn_t)(const float *, float *, const float *, const float *, int64_t, int64_t, const int64_t *,
+                      const int64_t *, const uint8_t *, int64_t, int64_t, int64_t, int64_t, int64_t, float, int);
+
+/* fn: gemm, norm, rope, silu, attention. dims: t tokens, D hidden, H heads, G key/value heads, d head
+   size, I intermediate, L cache slots per row. w[8 * i ...]: layer i's fused q/k/v panels, o panels,
+   fused gate/up panels, down panels, input norm weight, post-attention norm weight, key cache, value
+   cache. h [t, D] (residual stream, updated in place), out [t, D], scratch: see below. */
+int tr_decoder_layers(void *const *fn, const int64_t *dims, float *const *w, int64_t nlayers, float *h,
+                      const float *cos, const float *sin, const int64_t *rows, const int64_t *slots,
+                      const int64_t *qrows, const int64_t *qprefix, const uint8_t *vis, int64_t W,
+                      const float *final_norm, float *out, float *scratch, float eps, float scale, int nthreads) {
+    gemm_t gemm = (gemm_t)fn[0];
+    norm_t norm = (norm_t)fn[1];
+    rope_t rope = (rope_t)fn[2];
+    silu_t silu = (silu_t)fn[3];
+    attn_t attn = (attn_t)fn[4];
+    const int64_t t = dims[0], D = dims[1], H = dims[2], G = dims[3], d = dims[4], I = dims[5], L = dims[6];
+    const int64_t Q = H * d, QKV = (H + 2 * G) * d;
+    float *x = scratch, *qkv = x + t * D, *qc = qkv + t * QKV, *o = qc + t * Q, *tmp = o + t * Q;
+    float *gu = tmp + t * D, *act = gu + t * 2 * I, *pend = act + t * I;
+    const float *delta = NULL;  /* the previous layer's MLP output, added by this layer's first norm */
+    int rc = 0;
+    for (int64_t i = 0; i < nlayers; i++) {
+        float *const *lw = w + 8 * i;
+        rc |= norm(h, D, delta, D, x, D, lw[4], t, D, eps, nthreads);
+        rc |= gemm(x, D, lw[0], qkv, QKV, t, D, QKV / 16, nthreads);
+        rc |= rope(qkv, QKV, qkv + Q, QKV, qkv + Q + G * d, QKV, cos, sin, t, H, G, d, lw[6], lw[7], L, rows, slots,
+                   nthreads);
+        for (int64_t r = 0; r < t; r++) memcpy(qc + r * Q, qkv + r * QKV, sizeof(float) * Q);
+        rc |= attn(qc, o, lw[6], lw[7], G * L * d, L * d, qrows, qprefix, vis, W, t, H, G, d, scale, nthreads);
+        rc |= gemm(o, Q, lw[1], tmp, D, t, Q, D / 16, nthreads);
+        rc |= norm(h, D, tmp, D, x, D, lw[5], t, D, eps, nthreads);
+        rc |= gemm(x, D, lw[2], gu, 2 * I, t, D, 2 * I / 16, nthreads);
+        rc |= silu(gu, 2 * I, gu + I, 2 * I, act, t, I, nthreads);
+        rc |= gemm(act, I, lw[3], pend, D, t, I, D / 16, nthreads);
+        delta = pend;
+        if (rc) return rc;
+    }
+    return norm(h, D, delta, D, out, D, final_norm, t, D, eps, nthreads);
+}
+"""
+
+_P, _I64 = ctypes.c_void_p, ctypes.c_int64
+ARGTYPES = [_P, _P, _P, _I64, _P, _P, _P, _P, _P, _P, _P, _P, _I64, _P, _P, _P, ctypes.c_float, ctypes.c_float,
+            ctypes.c_int]
+
+
+def scratch_floats(t: int, hidden: int, heads: int, kv_heads: int, head_dim: int, intermediate: int) -> int:
+    """Floats of the scratch buffer the C loop carves up (see ``SOURCE``)."""
+    q = heads * head_dim
+    return t * (2 * hidden + (heads + 2 * kv_heads) * head_dim + 2 * q + 3 * intermediate + hidden)
+
+
+@dataclass
+class DriverModel:
+    """What the C loop needs of one model, built once (:func:`prepare`): its weights' addresses
+    (the tensors stay referenced here, so the addresses stay valid) and its sizes."""
+
+    tensors: list[torch.Tensor]  # the panels, norms and cache buffers behind ``pointers``
+    pointers: ctypes.Array  # 8 per layer, in the order of ``SOURCE``
+    final_norm: torch.Tensor
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int
+    max_len: int
+    eps: float
+    scale: float
+    functions: ctypes.Array  # gemm, norm, rope, silu, attention
+
+    def current(self, layers, cache) -> bool:
+        """Whether the weights' panels and the cache buffers are still the ones addressed here."""
+        return all(a is b for a, b in zip(self.tensors, _layer_tensors(layers, cache)))
+
+
+def _layer_tensors(layers, cache) -> list[torch.Tensor]:
+    out = []
+    for i, layer in enumerate(layers):
+        attn, mlp, slot = layer.self_attn, layer.mlp, cache.layers[i]
+        out += [attn.q_proj.group.panels, attn.o_proj.panels, mlp.gate_proj.group.panels, mlp.down_proj.panels,
+                layer.input_layernorm.weight, layer.post_attention_layernorm.weight, slot.keys, slot.values]
+    return out
+
+
+def _fused(group, members) -> bool:
+    return group is not None and group.members == tuple(members) and group.panels is not None and group.bias is None
+
+
+def prepare(layers, final_norm, cache) -> DriverModel | None:
+    """The model's :class:`DriverModel`, or None when the C loop does not compute what its layers
+    do (other linear layouts, biases, widths, norms' epsilons) or is not available here."""
+    if KERNEL.get() is None or not layers:
+        return None
+    first = layers[0].self_attn
+    heads, d = first.config.num_attention_heads, first.head_dim
+    kv_heads = first.config.num_key_value_heads
+    hidden, intermediate = first.config.hidden_size, layers[0].mlp.intermediate_size
+    eps = layers[0].input_layernorm.variance_epsilon
+    for layer in layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        if not (_fused(getattr(attn.q_proj, "group", None), (attn.q_proj, attn.k_proj, attn.v_proj))
+                and _fused(getattr(mlp.gate_proj, "group", None), (mlp.gate_proj, mlp.up_proj))):
+            return None
+        if any(getattr(m, "panels", None) is None or m.bias is not None or getattr(m, "group", None) is not None
+               for m in (attn.o_proj, mlp.down_proj)):
+            return None
+        norms = (layer.input_layernorm, layer.post_attention_layernorm)
+        if any(n.variance_epsilon != eps for n in norms) or attn.scaling != first.scaling:
+            return None
+    if final_norm.variance_epsilon != eps:
+        return None
+    if any(n % 16 for n in (hidden, heads * d, (heads + 2 * kv_heads) * d, 2 * intermediate)):
+        return None  # the panel GEMM's outputs are written whole, rows of a multiple of 16 floats
+    tensors = _layer_tensors(layers, cache)
+    if any(x.dtype != torch.float32 or not x.is_contiguous() for x in tensors):
+        return None
+    pointers = (ctypes.c_void_p * len(tensors))(*[x.data_ptr() for x in tensors])
+    libs = (panel_gemm.KERNEL.get(), layer_ops.KERNEL.get(), tree_attention.KERNEL.get())
+    if any(lib is None for lib in libs):
+        return None
+    gemm, ops, attend = libs
+    functions = (ctypes.c_void_p * 5)(*[ctypes.cast(f, ctypes.c_void_p).value for f in (
+        gemm.tr_panel_gemm, ops.tr_add_rms_norm, ops.tr_rope_store, ops.tr_silu_mul, attend.tr_tree_attention)])
+    return DriverModel(tensors, pointers, final_norm.weight.detach().contiguous(), hidden, heads, kv_heads, d,
+                       intermediate, cache.layers[0].keys.shape[2], eps, first.scaling, functions)
+
+
+def applies(plan, tokens: int) -> bool:
+    """Whether every linear layer of a step of ``tokens`` tokens runs the panel GEMM on exactly
+    those rows under ``plan`` (no torch kernel, no padded row count)."""
+    return plan is not None and plan.choice(tokens) == ("panel", tokens)
+
+
+def run(model: DriverModel, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rows: torch.Tensor,
+        slots: torch.Tensor, queries: tree_attention.StepQueries) -> torch.Tensor:
+    """The layers and the final norm over the packed tokens ``h`` [1, t, hidden] (updated in place,
+    as the Python loop does); returns [t, hidden]."""
+    return _run(KERNEL.get(), model, h, cos, sin, rows, slots, queries)
+
+
+def _run(lib: ctypes.CDLL, m: DriverModel, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+         rows: torch.Tensor, slots: torch.Tensor, queries: tree_attention.StepQueries) -> torch.Tensor:
+    t = h.shape[1]
+    dims = (ctypes.c_int64 * 7)(t, m.hidden, m.heads, m.kv_heads, m.head_dim, m.intermediate, m.max_len)
+    out = torch.empty(t, m.hidden, dtype=torch.float32)
+    scratch = torch.empty(scratch_floats(t, m.hidden, m.heads, m.kv_heads, m.head_dim, m.intermediate),
+                          dtype=torch.float32)
+    cos, sin = cos.reshape(t, -1).contiguous(), sin.reshape(t, -1).contiguous()
+    rows, slots = rows.to(torch.long).contiguous(), slots.to(torch.long).contiguous()
+    rc = lib.tr_decoder_layers(m.functions, dims, m.pointers, len(m.pointers) // 8, h.data_ptr(), cos.data_ptr(),
+                               sin.data_ptr(), rows.data_ptr(), slots.data_ptr(), queries.rows.data_ptr(),
+                               queries.prefix.data_ptr(), queries.visible.data_ptr(), queries.visible.shape[1],
+                               m.final_norm.data_ptr(), out.data_ptr(), scratch.data_ptr(), m.eps, m.scale,
+                               torch.get_num_threads())
+    if rc != 0:
+        raise RuntimeError(f"layer driver: a kernel failed (code {rc})")
+    return out
+
+
+def _self_check(lib: ctypes.CDLL) -> bool:
+    """The C loop against the same kernels called one by one from Python, on one random layer:
+    bit-identical, or the driver is not used."""
+    kernels = (panel_gemm.KERNEL.get(), layer_ops.KERNEL.get(), tree_attention.KERNEL.get())
+    if any(k is None for k in kernels):
+        return False
+    g = torch.Generator().manual_seed(0)
+    t, D, H, G, d, I, L = 3, 32, 4, 2, 16, 48, 24
+    Q, QKV = H * d, (H + 2 * G) * d
+    weights = [torch.randn(n, k, generator=g) * 0.2 for n, k in ((QKV, D), (D, Q), (2 * I, D), (D, I))]
+    panels = [panel_gemm.pack(wt) for wt in weights]
+    norm_in, norm_post, final = (torch.rand(D, generator=g) + 0.5 for _ in range(3))
+    keys, values = torch.randn(2, G, L, d, generator=g), torch.randn(2, G, L, d, generator=g)
+    h0 = torch.randn(1, t, D, generator=g)
+    cos, sin = torch.rand(t, d, generator=g), torch.rand(t, d, generator=g)
+    rows, slots = torch.tensor([1, 1, 1]), torch.tensor([5, 6, 7])
+    local = torch.tensor([[[1, 0, 0], [1, 1, 0], [1, 0, 1]]], dtype=torch.bool)
+    queries = tree_attention.step_queries([1], [5], [3], local)
+    eps, scale = 1e-5, d ** -0.5
+
+    # the Python loop's calls, as llama_body._native_layers makes them
+    h, kc, vc = h0.clone(), keys.clone(), values.clone()
+    x = layer_ops.add_rms_norm(h, None, norm_in, eps)
+    qkv = panel_gemm.linear(x, panels[0], QKV)[0]
+    q, k, v = qkv[:, :Q].view(t, H, d), qkv[:, Q : Q + G * d].view(t, G, d), qkv[:, Q + G * d :].view(t, G, d)
+    layer_ops.rope_store(q, k, v, cos, sin, kc, vc, rows, slots)
+    o = tree_attention.attend(q, kc, vc, queries, scale)[None]
+    x = layer_ops.add_rms_norm(h, panel_gemm.linear(o, panels[1], D), norm_post, eps)
+    gu = panel_gemm.linear(x, panels[2], 2 * I)
+    pending = panel_gemm.linear(layer_ops.silu_mul(gu[..., :I], gu[..., I:]), panels[3], D)
+    expected = layer_ops.add_rms_norm(h, pending, final, eps).reshape(t, D)
+
+    h, kd, vd = h0.clone(), keys.clone(), values.clone()
+    tensors = panels + [norm_in, norm_post, kd, vd]
+    pointers = (ctypes.c_void_p * 8)(*[x.data_ptr() for x in tensors])
+    functions = (ctypes.c_void_p * 5)(*[ctypes.cast(f, ctypes.c_void_p).value for f in (
+        kernels[0].tr_panel_gemm, kernels[1].tr_add_rms_norm, kernels[1].tr_rope_store, kernels[1].tr_silu_mul,
+        kernels[2].tr_tree_attention)])
+    model = DriverModel(tensors, pointers, final, D, H, G, d, I, L, eps, scale, functions)
+    got = _run(lib, model, h, cos, sin, rows, slots, queries)
+    return torch.equal(got, expected) and torch.equal(kd, kc) and torch.equal(vd, vc)
+
+
+KERNEL = native.Kernel("layer driver", "layer_driver", SOURCE, "TR_SERVE_LAYER_DRIVER", "tr_decoder_layers",
+                       ARGTYPES, _self_check)
