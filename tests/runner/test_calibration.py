@@ -66,7 +66,7 @@ def test_a_changed_native_kernel_keys_a_new_table_and_plan(tokenizer, monkeypatc
     a kernel whose source changed (the panel GEMM's grouping, say) is timed again, not priced with
     the old figures."""
     from tests.tiny_model import tiny_loaded
-    from tr_serve.runner import cpu_kernels, panel_gemm, tree_attention
+    from tr_serve.runner import cpu_kernels, layer_driver, panel_gemm, tree_attention
 
     model = tiny_loaded(tokenizer).model
     runner = ModelRunner(model, 1, 64)
@@ -78,3 +78,10 @@ def test_a_changed_native_kernel_keys_a_new_table_and_plan(tokenizer, monkeypatc
     monkeypatch.undo()
     monkeypatch.setattr(panel_gemm.KERNEL, "source", panel_gemm.KERNEL.source + "\n")
     assert calibration.calibration_key("m", runner) != table and cpu_kernels.plan_key(calls) != plan
+    monkeypatch.undo()
+    monkeypatch.setattr(layer_driver.KERNEL, "source", layer_driver.KERNEL.source + "\n")  # the layers' C loop
+    assert calibration.calibration_key("m", runner) != table and cpu_kernels.plan_key(calls) == plan
+    monkeypatch.undo()
+    monkeypatch.setattr(layer_driver.KERNEL, "tried", True)
+    monkeypatch.setattr(layer_driver.KERNEL, "lib", None)  # no driver on this machine: the Python loop's table
+    assert calibration.calibration_key("m", runner) != table

@@ -12,7 +12,7 @@ import torch
 
 from tr_serve.disk_cache import load_json, load_or_make, save_json
 from tr_serve.model_loader import cache_root
-from tr_serve.runner import layer_ops, panel_gemm, tree_attention
+from tr_serve.runner import layer_driver, layer_ops, panel_gemm, tree_attention
 from tr_serve.runner.model_runner import ModelRunner
 from tr_serve.tr.budget import LatencyTable
 
@@ -34,7 +34,10 @@ def calibration_key(model_id: str, runner: ModelRunner) -> str:
     attention = "tree-attention" if getattr(runner, "tree_attention", False) else "sdpa"  # the kernels timed
     if getattr(runner, "layer_ops", False):
         attention += "+layer-ops"
-    kernels = "-".join(k.digest for k in (panel_gemm.KERNEL, tree_attention.KERNEL, layer_ops.KERNEL))
+    kernels = "-".join(k.digest for k in (panel_gemm.KERNEL, tree_attention.KERNEL, layer_ops.KERNEL,
+                                          layer_driver.KERNEL))
+    if layer_driver.KERNEL.get() is None:
+        kernels += "-no-driver"  # the layers' Python loop: a few ms more per forward
     # a table measured at other counts, otherwise or with other compiled kernels is measured again
     raw = (f"{model_id}|{_device_name(runner.device)}|{runner.dtype}|{torch.__version__}|{runner.kernel_plan}|"
            f"{attention}|{kernels}|{POINTS}|median")
