@@ -10,7 +10,9 @@ preparation) cost about 2 ms of a 40 ms SmolLM2-135M forward on one thread (meas
 ms for 1 token, 61.8 -> 59.7 ms for 16), at every forward, whatever the token count.
 
 Only plain Llama models on CPU take this path (:func:`body_for`); any other architecture, device,
-attention implementation or a model in training mode runs transformers' own forward.
+attention implementation or a model in training mode runs transformers' own forward. Where the
+native kernels take the whole step (tree attention, every linear on the panel GEMM), the layers'
+loop itself runs in C (:mod:`tr_serve.runner.layer_driver`), with the same results.
 """
 
 from __future__ import annotations
