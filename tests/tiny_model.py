@@ -28,3 +28,15 @@ def small_llama() -> LlamaForCausalLM:
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
     config._attn_implementation = "sdpa"
     return LlamaForCausalLM(config).eval().requires_grad_(False)
+
+
+def prefill_and_verify(runner) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A ragged prefill of three rows, a ragged tree step over them and a one-token step on one of
+    them, through ``runner`` (a ``ModelRunner`` over :func:`small_llama`): their logits."""
+    last, _ = runner.prefill(torch.tensor([0, 1, 3]), [[5, 9, 11], [7, 7, 300, 2, 8] * 8, [40]])
+    tokens = torch.tensor([[3, 4, 5, 6], [8, 9, 0, 0], [1, 0, 0, 0]])
+    depths = torch.tensor([[0, 1, 1, 2], [0, 1, 0, 0], [0, 0, 0, 0]])
+    tree = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 1, 0, 1]], dtype=torch.bool)
+    verified = runner.verify(torch.tensor([0, 1, 3]), tokens, depths, tree, torch.tensor([4, 2, 1]))
+    alone = runner.verify(torch.tensor([1]), tokens[1:2, :1], depths[1:2, :1], tree[:1, :1])
+    return last, verified, alone

@@ -9,7 +9,7 @@ import torch
 from tr_serve.runner import cpu_kernels as ck
 from tr_serve.runner import layer_driver, layer_ops
 from tr_serve.runner.model_runner import ModelRunner
-from tests.tiny_model import small_llama
+from tests.tiny_model import prefill_and_verify, small_llama
 
 needs_kernel = pytest.mark.skipif(layer_driver.KERNEL.get() is None,
                                   reason="no C compiler or torch without libgomp here")
@@ -26,16 +26,6 @@ def _panel_llama(fuse: bool = True):
     return model
 
 
-def _steps(runner: ModelRunner):
-    """A prefill, a ragged three-row tree step and a one-token step: their logits."""
-    last, _ = runner.prefill(torch.tensor([0, 1, 3]), [[5, 9, 11], [7, 7, 300, 2, 8] * 8, [40]])
-    tokens = torch.tensor([[3, 4, 5, 6], [8, 9, 0, 0], [1, 0, 0, 0]])
-    depths = torch.tensor([[0, 1, 1, 2], [0, 1, 0, 0], [0, 0, 0, 0]])
-    tree = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 1, 0, 1]], dtype=torch.bool)
-    verified = runner.verify(torch.tensor([0, 1, 3]), tokens, depths, tree, torch.tensor([4, 2, 1]))
-    alone = runner.verify(torch.tensor([1]), tokens[1:2, :1], depths[1:2, :1], tree[:1, :1])
-    return last, verified, alone
-
 
 @needs_kernel
 def test_verify_steps_through_the_driver_equal_the_python_loop_bit_for_bit(monkeypatch):
@@ -46,12 +36,12 @@ def test_verify_steps_through_the_driver_equal_the_python_loop_bit_for_bit(monke
     monkeypatch.setattr(layer_ops, "silu_mul", lambda *a: silu.append(1) or real_silu(*a))
     runner = ModelRunner(model, 4, 96, kernel_plan=PANEL)
     assert runner.layer_ops
-    with_driver = _steps(runner)
+    with_driver = prefill_and_verify(runner)
     assert len(runs) == 2  # both verify steps; the 40-token prefill attends through torch's kernel
     assert len(silu) == model.config.num_hidden_layers  # the prefill's Python loop only
 
     monkeypatch.setattr(layer_driver, "applies", lambda plan, tokens: False)
-    without = _steps(ModelRunner(model, 4, 96, kernel_plan=PANEL))
+    without = prefill_and_verify(ModelRunner(model, 4, 96, kernel_plan=PANEL))
     assert len(runs) == 2
     for a, b in zip(with_driver, without):
         assert torch.equal(a, b)

@@ -11,7 +11,7 @@ from transformers.models.llama.modeling_llama import LlamaRMSNorm, apply_rotary_
 from tr_serve.runner import layer_ops as lo
 from tr_serve.runner import native
 from tr_serve.runner.model_runner import ModelRunner
-from tests.tiny_model import small_llama
+from tests.tiny_model import prefill_and_verify, small_llama
 
 needs_kernel = pytest.mark.skipif(not lo.available(), reason="no C compiler or torch without libgomp here")
 
@@ -91,15 +91,6 @@ def test_unavailable_without_a_compiler(monkeypatch):
 
 
 
-def _prefill_and_verify(runner: ModelRunner):
-    last, _ = runner.prefill(torch.tensor([0, 1, 3]), [[5, 9, 11], [7, 7, 300, 2, 8] * 8, [40]])
-    tokens = torch.tensor([[3, 4, 5, 6], [8, 9, 0, 0], [1, 0, 0, 0]])
-    depths = torch.tensor([[0, 1, 1, 2], [0, 1, 0, 0], [0, 0, 0, 0]])
-    tree = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 1, 0, 1]], dtype=torch.bool)
-    verified = runner.verify(torch.tensor([0, 1, 3]), tokens, depths, tree, torch.tensor([4, 2, 1]))
-    alone = runner.verify(torch.tensor([1]), tokens[1:2, :1], depths[1:2, :1], tree[:1, :1])
-    return last, verified, alone
-
 
 @needs_kernel
 def test_runner_forwards_with_layer_ops_match_torch_ops(monkeypatch):
@@ -111,11 +102,11 @@ def test_runner_forwards_with_layer_ops_match_torch_ops(monkeypatch):
     calls = []
     real = lo.silu_mul
     monkeypatch.setattr(lo, "silu_mul", lambda *a: calls.append(1) or real(*a))
-    native_out = _prefill_and_verify(runner)
+    native_out = prefill_and_verify(runner)
     assert len(calls) == 3 * model.config.num_hidden_layers  # prefill, verify, the one-token step
     runner = ModelRunner(model, 4, 96)
     runner.layer_ops = False
-    torch_out = _prefill_and_verify(runner)
+    torch_out = prefill_and_verify(runner)
     for a, b in zip(native_out, torch_out):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
         assert not torch.equal(a, b)  # (the native path did run: its sums round differently)
