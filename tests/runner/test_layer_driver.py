@@ -91,6 +91,15 @@ def test_prepare_declines_layers_it_does_not_compute():
     eps = _panel_llama()
     eps.model.layers[1].post_attention_layernorm.variance_epsilon = 1e-3
     assert layer_driver.prepare(list(eps.model.layers), eps.model.norm, runner.cache) is None
+    hooked = _panel_llama()  # tensor parallelism all-reduces after o_proj and down_proj with hooks
+    hooked.model.layers[1].mlp.down_proj.register_forward_hook(lambda module, args, out: out)
+    assert layer_driver.prepare(list(hooked.model.layers), hooked.model.norm, runner.cache) is None
+    handle = torch.nn.modules.module.register_module_forward_hook(lambda module, args, out: out)
+    try:
+        assert layer_driver.prepare(list(inner.layers), inner.norm, runner.cache) is None
+    finally:
+        handle.remove()
+    assert layer_driver.prepare(list(inner.layers), inner.norm, runner.cache) is not None
 
 
 def test_switched_off_the_python_loop_runs(monkeypatch):

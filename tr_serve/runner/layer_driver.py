@@ -107,10 +107,6 @@ class DriverModel:
     scale: float
     functions: ctypes.Array  # gemm, norm, rope, silu, attention
 
-    def current(self, layers, cache) -> bool:
-        """Whether the weights' panels and the cache buffers are still the ones addressed here."""
-        return all(a is b for a, b in zip(self.tensors, _layer_tensors(layers, cache)))
-
 
 def _layer_tensors(layers, cache) -> list[torch.Tensor]:
     out = []
@@ -127,24 +123,35 @@ def _fused(group, members) -> bool:
 
 def prepare(layers, final_norm, cache) -> DriverModel | None:
     """The model's :class:`DriverModel`, or None when the C loop does not compute what its layers
-    do (other linear layouts, biases, widths, norms' epsilons) or is not available here."""
+    do (other linear layouts, biases, widths, norms' epsilons, forward hooks on the linears, which
+    the Python loop runs and the C loop would skip) or is not available here. Checked when first
+    used for a cache (the runner's body keeps the result); hooks are registered at load time."""
     if KERNEL.get() is None or not layers:
         return None
     first = layers[0].self_attn
-    heads, d = first.config.num_attention_heads, first.head_dim
-    kv_heads = first.config.num_key_value_heads
-    hidden, intermediate = first.config.hidden_size, layers[0].mlp.intermediate_size
+    d = first.head_dim  # the rest from the weights: a tensor-parallel shard holds fewer heads than its config says
+    heads, kv_heads = first.q_proj.out_features // d, first.k_proj.out_features // d
+    hidden, intermediate = first.o_proj.out_features, layers[0].mlp.gate_proj.out_features
     eps = layers[0].input_layernorm.variance_epsilon
+    if _global_hooks() or cache.layers[0].keys.shape[1] != kv_heads:
+        return None
     for layer in layers:
         attn, mlp = layer.self_attn, layer.mlp
+        linears = (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj)
+        if any(m._forward_hooks or m._forward_pre_hooks for m in linears):
+            return None  # e.g. tensor parallelism's all-reduce after o_proj and down_proj: Python's loop runs them
         if not (_fused(getattr(attn.q_proj, "group", None), (attn.q_proj, attn.k_proj, attn.v_proj))
                 and _fused(getattr(mlp.gate_proj, "group", None), (mlp.gate_proj, mlp.up_proj))):
             return None
         if any(getattr(m, "panels", None) is None or m.bias is not None or getattr(m, "group", None) is not None
                for m in (attn.o_proj, mlp.down_proj)):
             return None
+        shapes = (attn.q_proj.out_features, attn.k_proj.out_features, attn.o_proj.out_features,
+                  mlp.gate_proj.out_features, attn.head_dim)
+        if shapes != (heads * d, kv_heads * d, hidden, intermediate, d) or attn.scaling != first.scaling:
+            return None
         norms = (layer.input_layernorm, layer.post_attention_layernorm)
-        if any(n.variance_epsilon != eps for n in norms) or attn.scaling != first.scaling:
+        if any(n.variance_epsilon != eps for n in norms):
             return None
     if final_norm.variance_epsilon != eps:
         return None
@@ -162,6 +169,13 @@ def prepare(layers, final_norm, cache) -> DriverModel | None:
         gemm.tr_panel_gemm, ops.tr_add_rms_norm, ops.tr_rope_store, ops.tr_silu_mul, attend.tr_tree_attention)])
     return DriverModel(tensors, pointers, final_norm.weight.detach().contiguous(), hidden, heads, kv_heads, d,
                        intermediate, cache.layers[0].keys.shape[2], eps, first.scaling, functions)
+
+
+def _global_hooks() -> bool:
+    """Whether hooks registered for every module's forward exist (torch.nn.modules.module)."""
+    from torch.nn.modules import module
+
+    return bool(getattr(module, "_global_forward_hooks", None) or getattr(module, "_global_forward_pre_hooks", None))
 
 
 def applies(plan, tokens: int) -> bool:
