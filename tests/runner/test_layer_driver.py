@@ -113,3 +113,26 @@ def test_switched_off_the_python_loop_runs(monkeypatch):
     runner.prefill(torch.tensor([0]), [[1, 2, 3]])
     assert runner.verify(torch.tensor([0]), torch.tensor([[4]]), torch.tensor([0]),
                          torch.ones(1, 1, dtype=torch.bool)).shape == (1, 1, 512)
+
+
+@needs_kernel
+def test_weights_packed_again_are_prepared_again(monkeypatch):
+    model = _panel_llama()
+    prepared = []
+    real = layer_driver.prepare
+    monkeypatch.setattr(layer_driver, "prepare", lambda *a: prepared.append(1) or real(*a))
+    runner = ModelRunner(model, 1, 32, kernel_plan=PANEL)
+    runner.prefill(torch.tensor([0]), [[1, 2, 3]])
+    step = (torch.tensor([0]), torch.tensor([[4]]), torch.tensor([0]), torch.ones(1, 1, dtype=torch.bool))
+    first = runner.verify(*step)
+    runner.verify(*step)
+    assert len(prepared) == 1  # once per cache
+    calls = ck.kernel_calls(model)
+    ck._unpack(calls, "panel")
+    for m in calls:  # new weights, packed again: the driver must address the new panels
+        m.weight.mul_(0.5)
+    ck._pack(calls, "panel")
+    changed = runner.verify(*step)
+    assert len(prepared) == 2 and not torch.equal(changed, first)
+    monkeypatch.setattr(layer_driver, "applies", lambda plan, tokens: False)
+    assert torch.equal(runner.verify(*step), changed)  # the Python loop over the same new panels

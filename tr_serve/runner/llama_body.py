@@ -61,7 +61,7 @@ def _build(model) -> Callable | None:
     rotary = getattr(sys.modules.get(type(model).__module__), "apply_rotary_pos_emb", None)
     if rotary is None:
         return None
-    drivers: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # per KV cache: the C loop's view of the model
+    drivers: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # per KV cache: (panels, the C loop's model)
 
     def body(input_ids: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor | None, cache,
              real: torch.Tensor | None = None, widths: list[int] | None = None,
@@ -126,14 +126,16 @@ def _build(model) -> Callable | None:
     return body
 
 
-def _driver(drivers: dict, layers, final_norm, cache) -> layer_driver.DriverModel | None:
-    """The C loop's view of the model for ``cache`` (:func:`layer_driver.prepare`), rebuilt when the
-    first layer's panels are no longer the ones it addresses (the kernel plan packed them again)."""
-    driver = drivers.get(cache, False)
+def _driver(drivers: weakref.WeakKeyDictionary, layers, final_norm, cache) -> layer_driver.DriverModel | None:
+    """The C loop's view of the model for ``cache`` (:func:`layer_driver.prepare`, None where it
+    declines), decided again when the first layer's fused panels are not the ones it was decided on
+    (the kernel plan packed the weights again)."""
     group = getattr(layers[0].self_attn.q_proj, "group", None)
-    if driver is False or (driver is not None and (group is None or driver.tensors[0] is not group.panels)):
-        driver = drivers[cache] = layer_driver.prepare(layers, final_norm, cache)
-    return driver
+    panels = group.panels if group is not None else None
+    seen = drivers.get(cache)
+    if seen is None or seen[0] is not panels:
+        seen = drivers[cache] = (panels, layer_driver.prepare(layers, final_norm, cache))
+    return seen[1]
 
 
 def _native_layers(layers, final_norm, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache, segments,
