@@ -161,14 +161,21 @@ def prepare(layers, final_norm, cache) -> DriverModel | None:
     if any(x.dtype != torch.float32 or not x.is_contiguous() for x in tensors):
         return None
     pointers = (ctypes.c_void_p * len(tensors))(*[x.data_ptr() for x in tensors])
-    libs = (panel_gemm.KERNEL.get(), layer_ops.KERNEL.get(), tree_attention.KERNEL.get())
-    if any(lib is None for lib in libs):
+    functions = _kernel_functions()
+    if functions is None:
         return None
-    gemm, ops, attend = libs
-    functions = (ctypes.c_void_p * 5)(*[ctypes.cast(f, ctypes.c_void_p).value for f in (
-        gemm.tr_panel_gemm, ops.tr_add_rms_norm, ops.tr_rope_store, ops.tr_silu_mul, attend.tr_tree_attention)])
     return DriverModel(tensors, pointers, final_norm.weight.detach().contiguous(), hidden, heads, kv_heads, d,
                        intermediate, cache.layers[0].keys.shape[2], eps, first.scaling, functions)
+
+
+def _kernel_functions() -> ctypes.Array | None:
+    """The addresses of the kernels the C loop calls, in the order of ``SOURCE``'s ``fn`` (gemm,
+    norm, rope, silu, attention); None when one of them is not available here."""
+    gemm, ops, attend = (panel_gemm.KERNEL.get(), layer_ops.KERNEL.get(), tree_attention.KERNEL.get())
+    if gemm is None or ops is None or attend is None:
+        return None
+    return (ctypes.c_void_p * 5)(*[ctypes.cast(f, ctypes.c_void_p).value for f in (
+        gemm.tr_panel_gemm, ops.tr_add_rms_norm, ops.tr_rope_store, ops.tr_silu_mul, attend.tr_tree_attention)])
 
 
 def _global_hooks() -> bool:
@@ -213,8 +220,8 @@ def _run(lib: ctypes.CDLL, m: DriverModel, h: torch.Tensor, cos: torch.Tensor, s
 def _self_check(lib: ctypes.CDLL) -> bool:
     """The C loop against the same kernels called one by one from Python, on one random layer:
     bit-identical, or the driver is not used."""
-    kernels = (panel_gemm.KERNEL.get(), layer_ops.KERNEL.get(), tree_attention.KERNEL.get())
-    if any(k is None for k in kernels):
+    functions = _kernel_functions()
+    if functions is None:
         return False
     g = torch.Generator().manual_seed(0)
     t, D, H, G, d, I, L = 3, 32, 4, 2, 16, 48, 24
@@ -245,9 +252,6 @@ def _self_check(lib: ctypes.CDLL) -> bool:
     h, kd, vd = h0.clone(), keys.clone(), values.clone()
     tensors = panels + [norm_in, norm_post, kd, vd]
     pointers = (ctypes.c_void_p * 8)(*[x.data_ptr() for x in tensors])
-    functions = (ctypes.c_void_p * 5)(*[ctypes.cast(f, ctypes.c_void_p).value for f in (
-        kernels[0].tr_panel_gemm, kernels[1].tr_add_rms_norm, kernels[1].tr_rope_store, kernels[1].tr_silu_mul,
-        kernels[2].tr_tree_attention)])
     model = DriverModel(tensors, pointers, final, D, H, G, d, I, L, eps, scale, functions)
     got = _run(lib, model, h, cos, sin, rows, slots, queries)
     return torch.equal(got, expected) and torch.equal(kd, kc) and torch.equal(vd, vc)
