@@ -58,17 +58,24 @@ def test_batch_invariant_and_strided_input():
 
 
 @needs_kernel
-@pytest.mark.parametrize("n", [16, 32, 48, 64, 80, 96, 112, 128, 1000])
-def test_one_row_four_panels_at_a_time_gives_the_rows_result_of_any_batch(n):
-    """A single row runs four panels per group (its own path): bit for bit what the same row gets
-    beside other rows, for every remainder of panels (1, 2 or 3 left over)."""
-    g = torch.Generator().manual_seed(n)
-    w, x = torch.randn(n, 300, generator=g), torch.randn(5, 300, generator=g)
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("n", [16, 32, 48, 64, 80, 96, 112, 128, 208, 1000])
+def test_up_to_sixteen_rows_give_each_rows_result_alone(n, threads):
+    """Up to 16 rows run 4, 3, 2 or 1 panels per group by the row count, and each thread's run of
+    panels ends in smaller groups: every row count gives each row its own result (one row alone)
+    bit for bit, for every remainder of panels per thread."""
+    g = torch.Generator().manual_seed(n + 3)
+    w, x = torch.randn(n, 300, generator=g), torch.randn(16, 300, generator=g)
     p = pg.pack(w)
-    batch = pg.linear(x, p, n)
-    for r in range(5):
-        assert torch.equal(pg.linear(x[r : r + 1], p, n)[0], batch[r])
-    torch.testing.assert_close(batch, F.linear(x, w), rtol=1e-4, atol=1e-4)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        alone = torch.cat([pg.linear(x[r : r + 1], p, n) for r in range(16)])
+        for m in range(2, 17):
+            assert torch.equal(pg.linear(x[:m], p, n), alone[:m]), m
+    finally:
+        torch.set_num_threads(before)
+    torch.testing.assert_close(alone, F.linear(x, w), rtol=1e-4, atol=1e-4)
 
 
 @needs_kernel

@@ -43,6 +43,7 @@ SOURCE = r"""
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <omp.h>
 
 typedef float v16 __attribute__((vector_size(64)));
 
@@ -82,7 +83,44 @@ DEFINE_GROUP(5, 1) DEFINE_GROUP(6, 1) DEFINE_GROUP(7, 1) DEFINE_GROUP(8, 1)
 DEFINE_GROUP(9, 1) DEFINE_GROUP(10, 1) DEFINE_GROUP(11, 1) DEFINE_GROUP(12, 1)
 DEFINE_GROUP(13, 1) DEFINE_GROUP(14, 1) DEFINE_GROUP(15, 1) DEFINE_GROUP(16, 1)
 
+
+/* As DEFINE_GROUP, with the running total kept in y instead of registers (the same sums in the
+   same order, so the same results): frees registers for more panels at once */
+#define DEFINE_GROUP_Y(MM, NP)                                                                       \
+static void groupy_##MM##_##NP(const float *restrict xt, const float *restrict p, int64_t K,         \
+                               float *restrict y, int64_t ldy) {                                     \
+    for (int j = 0; j < NP; j++) for (int m = 0; m < MM; m++) memset(y + m * ldy + j * 16, 0, 64);   \
+    for (int64_t k0 = 0; k0 < K; k0 += KB) {                                                         \
+        int64_t k1 = k0 + KB < K ? k0 + KB : K;                                                      \
+        v16 acc[NP][MM];                                                                             \
+        for (int j = 0; j < NP; j++) for (int m = 0; m < MM; m++) acc[j][m] = (v16){0};              \
+        for (int64_t k = k0; k < k1; k++) {                                                          \
+            const float *xk = xt + k * 16;                                                           \
+            for (int j = 0; j < NP; j++) {                                                           \
+                const float *pj = p + j * K * 16 + k * 16;                                           \
+                __builtin_prefetch(pj + PF, 0, 3);                                                   \
+                v16 w;                                                                               \
+                memcpy(&w, pj, sizeof w);                                                            \
+                for (int m = 0; m < MM; m++) acc[j][m] += w * xk[m];                                 \
+            }                                                                                        \
+        }                                                                                            \
+        for (int j = 0; j < NP; j++)                                                                 \
+            for (int m = 0; m < MM; m++) {                                                           \
+                v16 t;                                                                               \
+                memcpy(&t, y + m * ldy + j * 16, sizeof t);                                          \
+                t += acc[j][m];                                                                      \
+                memcpy(y + m * ldy + j * 16, &t, sizeof t);                                          \
+            }                                                                                        \
+    }                                                                                                \
+}
+
+DEFINE_GROUP_Y(5, 3) DEFINE_GROUP_Y(6, 3) DEFINE_GROUP_Y(7, 3) DEFINE_GROUP_Y(8, 3)
+DEFINE_GROUP_Y(9, 2) DEFINE_GROUP_Y(10, 2) DEFINE_GROUP_Y(11, 2) DEFINE_GROUP_Y(12, 2)
+
 typedef void (*group_fn)(const float *, const float *, int64_t, float *, int64_t);
+static const group_fn TRIPLES_Y[9] = {0, 0, 0, 0, 0, groupy_5_3, groupy_6_3, groupy_7_3, groupy_8_3};
+static const group_fn PAIRS_Y[13] = {0, 0, 0, 0, 0, 0, 0, 0, 0, groupy_9_2, groupy_10_2, groupy_11_2, groupy_12_2};
+
 static const group_fn QUADS[5] = {0, group_1_4, group_2_4, group_3_4, group_4_4};
 static const group_fn PAIRS[9] = {0, group_1_2, group_2_2, group_3_2, group_4_2,
                                   group_5_2, group_6_2, group_7_2, group_8_2};
@@ -116,29 +154,19 @@ int tr_panel_gemm(const float *x, int64_t ldx, const float *P, float *y, int64_t
         const float *src = x + m * ldx;
         for (int64_t k = 0; k < K; k++) dst[k * 16] = src[k];
     }
-    int64_t last = M - (chunks - 1) * 16;  /* rows in the last chunk */
-    if (M == 1) {  /* four panels at a time: one row gives a panel one chain of multiply-adds; four
-                      chains hide their latency (the sums, and so the results, are the same) */
-        int64_t groups = (NB + 3) / 4;
-        #pragma omp parallel for num_threads(nthreads) schedule(static)
-        for (int64_t g = 0; g < groups; g++) {
-            const float *p = P + 4 * g * K * 16;
-            float *yg = y + 4 * g * 16;
-            int64_t left = NB - 4 * g;
-            if (left >= 4) group_1_4(xt, p, K, yg, ldy);
-            else {
-                if (left >= 2) group_1_2(xt, p, K, yg, ldy);
-                if (left == 3) group_1_1(xt, p + 2 * K * 16, K, yg + 32, ldy);
-                if (left == 1) group_1_1(xt, p, K, yg, ldy);
-            }
-        }
-    } else if (M <= 8) {
-        group_fn pair = PAIRS[M], single = SINGLES[M];
-        int64_t groups = (NB + 1) / 2;
-        #pragma omp parallel for num_threads(nthreads) schedule(static)
-        for (int64_t g = 0; g < groups; g++) {
-            if (2 * g + 1 < NB) pair(xt, P + 2 * g * K * 16, K, y + 2 * g * 16, ldy);
-            else single(xt, P + 2 * g * K * 16, K, y + 2 * g * 16, ldy);
+    if (M <= 16) {
+        /* One chunk. NP panels at a time (NP weight streams in flight, NP chains of multiply-adds
+           per row), as many as the registers hold: 4 up to 4 rows, 3 up to 8, 2 up to 12. Each
+           thread takes an equal run of panels; a run's last few panels go in smaller groups. */
+        group_fn G = M <= 4 ? QUADS[M] : M <= 8 ? TRIPLES_Y[M] : M <= 12 ? PAIRS_Y[M] : SINGLES[M];
+        int64_t NP = M <= 4 ? 4 : M <= 8 ? 3 : M <= 12 ? 2 : 1;
+        #pragma omp parallel num_threads(nthreads)
+        {
+            int64_t nt = omp_get_num_threads(), t = omp_get_thread_num();
+            int64_t b0 = NB * t / nt, b1 = NB * (t + 1) / nt, b = b0;
+            for (; b + NP <= b1; b += NP) G(xt, P + b * K * 16, K, y + b * 16, ldy);
+            if (M <= 8) for (; b + 2 <= b1; b += 2) PAIRS[M](xt, P + b * K * 16, K, y + b * 16, ldy);
+            for (; b < b1; b++) SINGLES[M](xt, P + b * K * 16, K, y + b * 16, ldy);
         }
     } else {
         /* G panels per task: the full chunks run panel by panel; the last chunk's few rows run
@@ -149,7 +177,7 @@ int tr_panel_gemm(const float *x, int64_t ldx, const float *P, float *y, int64_t
             int64_t tasks = (NB + cand - 1) / cand, per = ((tasks + nthreads - 1) / nthreads) * cand;
             if (best < 0 || per < best) { best = per; G = cand; }
         }
-        int64_t tasks = (NB + G - 1) / G, full = chunks - 1;
+        int64_t tasks = (NB + G - 1) / G, full = chunks - 1, last = M - full * 16;  /* rows in the last chunk */
         const float *xl = xt + full * K * 16;
         #pragma omp parallel for num_threads(nthreads) schedule(static)
         for (int64_t g = 0; g < tasks; g++) {
@@ -175,7 +203,8 @@ def _compiler() -> str | None:
 
 def _self_check(lib: ctypes.CDLL) -> bool:
     g = torch.Generator().manual_seed(0)
-    for m, n, k in ((1, 48, 40), (1, 112, 40), (1, 96, 20), (1, 80, 24), (5, 40, 300), (16, 32, 129), (19, 16, 8)):
+    for m, n, k in ((1, 48, 40), (1, 112, 40), (1, 96, 20), (1, 80, 24), (3, 112, 40), (5, 40, 300), (7, 80, 40),
+                    (10, 48, 300), (16, 32, 129), (19, 16, 8)):
         w = torch.randn(n, k, generator=g)
         x = torch.randn(m, k, generator=g)
         got = _run(lib, x, pack(w), n)
