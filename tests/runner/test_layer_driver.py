@@ -8,6 +8,7 @@ import torch
 
 from tr_serve.runner import cpu_kernels as ck
 from tr_serve.runner import layer_driver, layer_ops
+from tr_serve.runner import tree_attention as ta
 from tr_serve.runner.model_runner import ModelRunner
 from tests.tiny_model import prefill_and_verify, small_llama
 
@@ -37,14 +38,35 @@ def test_verify_steps_through_the_driver_equal_the_python_loop_bit_for_bit(monke
     runner = ModelRunner(model, 4, 96, kernel_plan=PANEL)
     assert runner.layer_ops
     with_driver = prefill_and_verify(runner)
-    assert len(runs) == 2  # both verify steps; the 40-token prefill attends through torch's kernel
-    assert len(silu) == model.config.num_hidden_layers  # the prefill's Python loop only
+    assert len(runs) == 3  # the ragged prefill (44 tokens, one row of 40) and both verify steps
+    assert not silu  # no layer ran in Python
 
+    # the Python loop over the same kernels: the layer ops and the tree attention at every width
     monkeypatch.setattr(layer_driver, "applies", lambda plan, tokens: False)
+    monkeypatch.setattr(ta, "takes", lambda rows, width, verify=True, c_loop=False: width <= 64)
     without = prefill_and_verify(ModelRunner(model, 4, 96, kernel_plan=PANEL))
-    assert len(runs) == 2
+    assert len(runs) == 3 and len(silu) == 3 * model.config.num_hidden_layers
     for a, b in zip(with_driver, without):
         assert torch.equal(a, b)
+
+
+@needs_kernel
+def test_a_wide_one_row_prefill_runs_in_the_c_loop_only_where_it_applies(monkeypatch):
+    """17-64 tokens on one row: through the tree attention in the C loop when the loop takes the
+    step, else torch's attention in the Python loop as before; the two agree to rounding."""
+    model = _panel_llama()
+    runs, real_run = [], layer_driver.run
+    monkeypatch.setattr(layer_driver, "run", lambda *a: runs.append(a[-1]) or real_run(*a))
+    prompt = [(7 * j + 3) % 500 for j in range(ta.MAX_WIDTH_C_LOOP)]
+    last, _ = ModelRunner(model, 1, 96, kernel_plan=PANEL).prefill(torch.tensor([0]), [prompt])
+    assert len(runs) == 1 and runs[0].visible.shape == (len(prompt), len(prompt))  # the queries of one row
+    longer = ModelRunner(model, 1, 96, kernel_plan=ck.KernelPlan(points=(96,), kernels=("panel",)))
+    longer.prefill(torch.tensor([0]), [prompt + [5]])
+    assert len(runs) == 1  # one token past the C loop's width: torch's attention in the Python loop
+    monkeypatch.setattr(layer_driver, "applies", lambda plan, tokens: False)  # a loop the C loop declines
+    python, _ = ModelRunner(model, 1, 96, kernel_plan=PANEL).prefill(torch.tensor([0]), [prompt])
+    assert len(runs) == 1
+    torch.testing.assert_close(last, python, rtol=1e-4, atol=1e-4)
 
 
 @needs_kernel

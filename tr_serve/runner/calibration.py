@@ -38,6 +38,8 @@ def calibration_key(model_id: str, runner: ModelRunner) -> str:
                                           layer_driver.KERNEL))
     if layer_driver.KERNEL.get() is None:
         kernels += "-no-driver"  # the layers' Python loop: a one-token forward here about 1.7x as long
+    # the widths the tree attention (and so the C loop) takes: which path a one-row step of 17-64 tokens timed
+    attention += f"-widths{tree_attention.MAX_WIDTH}-{tree_attention.MAX_WIDTH_ROWS}-{tree_attention.MAX_WIDTH_C_LOOP}"
     # a table measured at other counts, otherwise or with other compiled kernels is measured again
     raw = (f"{model_id}|{_device_name(runner.device)}|{runner.dtype}|{torch.__version__}|{runner.kernel_plan}|"
            f"{attention}|{kernels}|{POINTS}|median")

@@ -123,6 +123,12 @@ def _build(model) -> Callable | None:
             h = h + layer.mlp(layer.post_attention_layernorm(h))
         return inner.norm(h).reshape(-1, h.shape[-1])  # packed, row order
 
+    def c_loop_takes(plan, cache, tokens: int) -> bool:
+        """Whether a step of ``tokens`` packed tokens on ``cache`` runs in the C loop when it is
+        given the tree attention's queries and the native layer ops (what ``body`` decides)."""
+        return layer_driver.applies(plan, tokens) and _driver(drivers, layers, inner.norm, cache) is not None
+
+    body.c_loop_takes = c_loop_takes
     return body
 
 

@@ -135,9 +135,11 @@ class ModelRunner:
         body = body_for(self.model)  # plain Llama: its layers without transformers' wrappers, same arithmetic
         widths = lengths.tolist() if lengths is not None else None  # real tokens per row
         queries = None
-        if (body is not None and self.tree_attention and tree_attention.takes(b, q, verify=verifying)
-                and self.cache.step_runs is not None):  # rows ascending
-            queries = tree_attention.step_queries(rows.tolist(), starts.tolist(), widths or [q] * b, local)
+        if body is not None and self.tree_attention and self.cache.step_runs is not None:  # rows ascending
+            c_loop = (q > tree_attention.MAX_WIDTH and self.layer_ops
+                      and body.c_loop_takes(self.kernel_plan, self.cache, sum(widths) if widths else b * q))
+            if tree_attention.takes(b, q, verify=verifying, c_loop=c_loop):
+                queries = tree_attention.step_queries(rows.tolist(), starts.tolist(), widths or [q] * b, local)
         mask = None if queries is not None else build_step_mask(starts, local, self.cache.step_kv_len, self.dtype,
                                                                 self.device)
         with self._kernels(), runner_attention(self.model):

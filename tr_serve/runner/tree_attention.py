@@ -41,12 +41,21 @@ MAX_WIDTH = 16
 # 1000): 16 rows with one row of 17 tokens 145 -> 100 ms, of 32 tokens 191 -> 124 ms; 4 rows with
 # one row of 48 tokens 164 -> 128 ms; 2 rows with one of 17 tokens 76 -> 54 ms.
 MAX_WIDTH_ROWS = 64
+# Any step up to this width, one row or prefill included, when the decoder layers' C loop runs it
+# (runner/layer_driver.py): with the layers' Python gone, this kernel beats the Python loop with
+# torch's attention on one row. Measured as one-row prefills (SmolLM2-135M, 2 threads): 24 tokens
+# 87 -> 57 ms, 32: 90 -> 62, 48: 118 -> 89, 64: 138 -> 107, 96: 214 -> 171, 128: 248 -> 221, but
+# 200: 372 -> 379 and 400: 732 -> 852; the C loop needs the panel GEMM, which the kernel plan
+# gives up to 64 tokens here.
+MAX_WIDTH_C_LOOP = 64
 
 
-def takes(rows: int, width: int, verify: bool = True) -> bool:
-    """Whether a step of ``rows`` rows, the widest ``width`` query tokens, runs here. A prefill
-    keeps the one-row limit: the wider rule was measured on verify steps only."""
-    return width <= MAX_WIDTH or (verify and rows > 1 and width <= MAX_WIDTH_ROWS)
+def takes(rows: int, width: int, verify: bool = True, c_loop: bool = False) -> bool:
+    """Whether a step of ``rows`` rows, the widest ``width`` query tokens, runs here; ``c_loop``:
+    the decoder layers' C loop would run the step. Without the C loop a prefill keeps the one-row
+    limit: the wider rule was measured on verify steps only."""
+    return (width <= MAX_WIDTH or (verify and rows > 1 and width <= MAX_WIDTH_ROWS)
+            or (c_loop and width <= MAX_WIDTH_C_LOOP))
 
 
 SOURCE = native.VECTOR_PRELUDE + r"""
