@@ -216,8 +216,8 @@ class StepLatency:
     says: the runner packs the rows' real tokens for the linear layers and the LM head (their cost
     follows the token count, as in the table), but every row attends over its own cache and runs
     its own small operations, a cost per row that does not grow with its drafted tokens; and a row
-    wider than the native tree attention takes (16 tokens) sends the whole step through a padded
-    path. So while serving the engine observes each step and keeps, per (row count, power-of-two
+    wider than the native tree attention takes (16 tokens; 64 on several rows or in the layers' C
+    loop) sends the whole step through a padded path. So while serving the engine observes each step and keeps, per (row count, power-of-two
     bucket of the widest row), the moving average of measured minus table: an additive offset.
 
     Why additive: measured at 13 rows over 300-token contexts (SmolLM2-135M, 2 threads), the steps
