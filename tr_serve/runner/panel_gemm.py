@@ -50,46 +50,18 @@ typedef float v16 __attribute__((vector_size(64)));
 #define KB 128   /* k per accumulation block */
 #define PF 1024  /* prefetch distance, floats */
 
-/* NP consecutive panels (NP*16 outputs) for MM rows; xt is x transposed, [K][16] */
-#define DEFINE_GROUP(MM, NP)                                                                         \
-static void group_##MM##_##NP(const float *restrict xt, const float *restrict p, int64_t K,          \
-                              float *restrict y, int64_t ldy) {                                      \
+/* NP consecutive panels (NP*16 outputs) for MM rows; xt is x transposed, [K][16]. IN_Y: the running
+   totals kept in y instead of registers (the same sums in the same order, so the same results),
+   which frees registers for more panels at once */
+#define DEFINE_GROUP_AS(NAME, MM, NP, IN_Y)                                                          \
+static void NAME(const float *restrict xt, const float *restrict p, int64_t K,                       \
+                 float *restrict y, int64_t ldy) {                                                   \
     v16 tot[NP][MM];                                                                                 \
-    for (int j = 0; j < NP; j++) for (int m = 0; m < MM; m++) tot[j][m] = (v16){0};                  \
-    for (int64_t k0 = 0; k0 < K; k0 += KB) {                                                         \
-        int64_t k1 = k0 + KB < K ? k0 + KB : K;                                                      \
-        v16 acc[NP][MM];                                                                             \
-        for (int j = 0; j < NP; j++) for (int m = 0; m < MM; m++) acc[j][m] = (v16){0};              \
-        for (int64_t k = k0; k < k1; k++) {                                                          \
-            const float *xk = xt + k * 16;                                                           \
-            for (int j = 0; j < NP; j++) {                                                           \
-                const float *pj = p + j * K * 16 + k * 16;                                           \
-                __builtin_prefetch(pj + PF, 0, 3);                                                   \
-                v16 w;                                                                               \
-                memcpy(&w, pj, sizeof w);                                                            \
-                for (int m = 0; m < MM; m++) acc[j][m] += w * xk[m];                                 \
-            }                                                                                        \
-        }                                                                                            \
-        for (int j = 0; j < NP; j++) for (int m = 0; m < MM; m++) tot[j][m] += acc[j][m];            \
-    }                                                                                                \
     for (int j = 0; j < NP; j++)                                                                     \
-        for (int m = 0; m < MM; m++) memcpy(y + m * ldy + j * 16, &tot[j][m], sizeof(v16));          \
-}
-
-DEFINE_GROUP(1, 4) DEFINE_GROUP(2, 4) DEFINE_GROUP(3, 4) DEFINE_GROUP(4, 4) DEFINE_GROUP(1, 2) DEFINE_GROUP(2, 2) DEFINE_GROUP(3, 2) DEFINE_GROUP(4, 2)
-DEFINE_GROUP(5, 2) DEFINE_GROUP(6, 2) DEFINE_GROUP(7, 2) DEFINE_GROUP(8, 2)
-DEFINE_GROUP(1, 1) DEFINE_GROUP(2, 1) DEFINE_GROUP(3, 1) DEFINE_GROUP(4, 1)
-DEFINE_GROUP(5, 1) DEFINE_GROUP(6, 1) DEFINE_GROUP(7, 1) DEFINE_GROUP(8, 1)
-DEFINE_GROUP(9, 1) DEFINE_GROUP(10, 1) DEFINE_GROUP(11, 1) DEFINE_GROUP(12, 1)
-DEFINE_GROUP(13, 1) DEFINE_GROUP(14, 1) DEFINE_GROUP(15, 1) DEFINE_GROUP(16, 1)
-
-
-/* As DEFINE_GROUP, with the running total kept in y instead of registers (the same sums in the
-   same order, so the same results): frees registers for more panels at once */
-#define DEFINE_GROUP_Y(MM, NP)                                                                       \
-static void groupy_##MM##_##NP(const float *restrict xt, const float *restrict p, int64_t K,         \
-                               float *restrict y, int64_t ldy) {                                     \
-    for (int j = 0; j < NP; j++) for (int m = 0; m < MM; m++) memset(y + m * ldy + j * 16, 0, 64);   \
+        for (int m = 0; m < MM; m++) {                                                               \
+            if (IN_Y) memset(y + m * ldy + j * 16, 0, sizeof(v16));                                  \
+            else tot[j][m] = (v16){0};                                                               \
+        }                                                                                            \
     for (int64_t k0 = 0; k0 < K; k0 += KB) {                                                         \
         int64_t k1 = k0 + KB < K ? k0 + KB : K;                                                      \
         v16 acc[NP][MM];                                                                             \
@@ -106,13 +78,27 @@ static void groupy_##MM##_##NP(const float *restrict xt, const float *restrict p
         }                                                                                            \
         for (int j = 0; j < NP; j++)                                                                 \
             for (int m = 0; m < MM; m++) {                                                           \
-                v16 t;                                                                               \
-                memcpy(&t, y + m * ldy + j * 16, sizeof t);                                          \
-                t += acc[j][m];                                                                      \
-                memcpy(y + m * ldy + j * 16, &t, sizeof t);                                          \
+                if (IN_Y) {                                                                          \
+                    v16 t;                                                                           \
+                    memcpy(&t, y + m * ldy + j * 16, sizeof t);                                      \
+                    t += acc[j][m];                                                                  \
+                    memcpy(y + m * ldy + j * 16, &t, sizeof t);                                      \
+                } else tot[j][m] += acc[j][m];                                                       \
             }                                                                                        \
     }                                                                                                \
+    if (!IN_Y)                                                                                       \
+        for (int j = 0; j < NP; j++)                                                                 \
+            for (int m = 0; m < MM; m++) memcpy(y + m * ldy + j * 16, &tot[j][m], sizeof(v16));      \
 }
+#define DEFINE_GROUP(MM, NP) DEFINE_GROUP_AS(group_##MM##_##NP, MM, NP, 0)
+#define DEFINE_GROUP_Y(MM, NP) DEFINE_GROUP_AS(groupy_##MM##_##NP, MM, NP, 1)
+
+DEFINE_GROUP(1, 4) DEFINE_GROUP(2, 4) DEFINE_GROUP(3, 4) DEFINE_GROUP(4, 4) DEFINE_GROUP(1, 2) DEFINE_GROUP(2, 2) DEFINE_GROUP(3, 2) DEFINE_GROUP(4, 2)
+DEFINE_GROUP(5, 2) DEFINE_GROUP(6, 2) DEFINE_GROUP(7, 2) DEFINE_GROUP(8, 2)
+DEFINE_GROUP(1, 1) DEFINE_GROUP(2, 1) DEFINE_GROUP(3, 1) DEFINE_GROUP(4, 1)
+DEFINE_GROUP(5, 1) DEFINE_GROUP(6, 1) DEFINE_GROUP(7, 1) DEFINE_GROUP(8, 1)
+DEFINE_GROUP(9, 1) DEFINE_GROUP(10, 1) DEFINE_GROUP(11, 1) DEFINE_GROUP(12, 1)
+DEFINE_GROUP(13, 1) DEFINE_GROUP(14, 1) DEFINE_GROUP(15, 1) DEFINE_GROUP(16, 1)
 
 DEFINE_GROUP_Y(5, 3) DEFINE_GROUP_Y(6, 3) DEFINE_GROUP_Y(7, 3) DEFINE_GROUP_Y(8, 3)
 DEFINE_GROUP_Y(9, 2) DEFINE_GROUP_Y(10, 2) DEFINE_GROUP_Y(11, 2) DEFINE_GROUP_Y(12, 2)
