@@ -89,9 +89,7 @@ def _build(model) -> Callable | None:
         t = h.shape[1]
         if native and segments is not None:
             h, cos, sin = h.contiguous(), cos.contiguous(), sin.contiguous()
-            driver = None
-            if queries is not None and layer_driver.applies(cpu_kernels.active_plan(), t):
-                driver = _driver(drivers, layers, inner.norm, cache)
+            driver = c_loop(cpu_kernels.active_plan(), cache, t) if queries is not None else None
             if driver is not None:
                 return layer_driver.run(driver, h, cos, sin, *cache.packed_targets(), queries)
             return _native_layers(layers, inner.norm, h, cos, sin, cache, segments, mask, queries)
@@ -123,12 +121,12 @@ def _build(model) -> Callable | None:
             h = h + layer.mlp(layer.post_attention_layernorm(h))
         return inner.norm(h).reshape(-1, h.shape[-1])  # packed, row order
 
-    def c_loop_takes(plan, cache, tokens: int) -> bool:
-        """Whether a step of ``tokens`` packed tokens on ``cache`` runs in the C loop when it is
-        given the tree attention's queries and the native layer ops (what ``body`` decides)."""
-        return layer_driver.applies(plan, tokens) and _driver(drivers, layers, inner.norm, cache) is not None
+    def c_loop(plan, cache, tokens: int) -> layer_driver.DriverModel | None:
+        """The C loop for a step of ``tokens`` packed tokens on ``cache`` under ``plan``, given the
+        tree attention's queries and the native layer ops; None where the Python loop runs it."""
+        return _driver(drivers, layers, inner.norm, cache) if layer_driver.applies(plan, tokens) else None
 
-    body.c_loop_takes = c_loop_takes
+    body.c_loop_takes = lambda plan, cache, tokens: c_loop(plan, cache, tokens) is not None  # the runner asks first
     return body
 
 

@@ -10,7 +10,9 @@ multiply-adds at the cores' peak).
 This kernel stores each weight matrix as panels of 16 output features, ``[N/16][K][16]``, read
 sequentially (with software prefetch) once per call. For each panel it keeps the 16 outputs of
 every row in vector registers and, for each k, loads 16 weights once and multiplies them with each
-row's ``x[m, k]`` (a fused multiply-add per row). The same vector code is written with GCC vector
+row's ``x[m, k]`` (a fused multiply-add per row). Calls of up to 12 rows work on 2-4 panels at
+once (more weight streams in flight, as many as the registers hold; 5-12 rows keep their running
+totals in the output to make room). The same vector code is written with GCC vector
 extensions and compiled with ``-march=native`` by the C compiler found at start-up (``$CC``, ``cc``
 or ``gcc``), so it uses AVX-512 where the CPU has it and AVX2 or NEON elsewhere. It runs on torch's
 own OpenMP team (the library links ``libgomp.so.1``, which resolves to the copy torch has already
