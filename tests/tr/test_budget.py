@@ -499,3 +499,48 @@ def test_template_nodes_and_branch_tokens_are_calibrated_apart():
                                                               before[1] * cal_t.decay + 0))
     assert (cal_b.expected, cal_b.accepted) == pytest.approx((before[2] * cal_b.decay + branch_expected,
                                                               before[3] * cal_b.decay + 2))
+
+
+def test_the_outcome_walk_finds_what_the_template_tables_find():
+    """TreeBudget.observe walks each row's accepted path (node_outcomes) instead of scanning the
+    whole template's tables (AcceptanceStats.outcomes): on random drafts of the 80-node template,
+    rows verifying different prefixes, with and without branches and duplicate tokens, both count
+    the same hits and trials."""
+    from dataclasses import replace
+
+    from tr_serve.tr.budget import node_outcomes, template_outcomes
+    from tr_serve.tr.draft import build_draft
+    from tr_serve.tr.tree import load_template, order_by_rates
+    from tr_serve.tr.verifier import accept_draft
+
+    paths = load_template("2.2.2", 8)[1]
+    tree = compile_tree(paths)
+    n = tree.num_nodes
+    index = {p: i + 1 for i, p in enumerate(paths)}
+    gen = torch.Generator().manual_seed(3)
+    for trial in range(40):
+        b = 1 + trial % 5
+        # the budget's order: re-ranked nodes, parents first; a step verifies a prefix of it
+        q = dict(zip(paths, torch.rand(n, generator=gen).tolist()))
+        rates = [float(torch.tensor([q[p[:d]] for d in range(1, len(p) + 1)]).prod()) for p in paths]
+        order = [index[p] for p in order_by_rates(paths, rates)]
+        row_nodes = [int(torch.randint(0, n + 1, (), generator=gen)) // (1 + trial % 7) for _ in range(b)]
+        width = max(row_nodes)  # the step's tree: the widest row's nodes
+        sub = compile_tree([paths[i - 1] for i in order[:width]])
+        full = torch.randint(0, 4, (b, n + 1), generator=gen)  # few distinct tokens: many accepted paths
+        full[:, 1:][torch.rand(b, n, generator=gen) < 0.1] = -1  # EMPTY nodes
+        chains = [[int(t) for t in torch.randint(0, 4, (int(torch.randint(0, 3, (), generator=gen)),), generator=gen)]
+                  for _ in range(b)]
+        columns = torch.tensor([0] + order[:width])
+        batch = build_draft(full[:, columns], sub, columns[1:], chains=chains, match_lengths=[2] * b,
+                            row_nodes=row_nodes)
+        batch = replace(batch, template_draft=full)
+        q = batch.tokens.shape[1]
+        acceptance = accept_draft(batch, torch.randint(0, 4, (b, q), generator=gen))
+        dense = AcceptanceStats(tree, decay=0.9, prior_weight=1.0)
+        walked = AcceptanceStats(tree, decay=0.9, prior_weight=1.0)
+        dense.add(*dense.outcomes(*template_outcomes(batch, acceptance)))
+        rows = node_outcomes(tree, batch, acceptance)
+        walked.add_nodes([x for a, _ in rows for x in a], [x for _, o in rows for x in o])
+        assert torch.equal(dense.trials, walked.trials) and torch.equal(dense.hits, walked.hits), trial
+        assert any(o for _, o in rows)
