@@ -544,3 +544,45 @@ def test_the_outcome_walk_finds_what_the_template_tables_find():
         walked.add_nodes([x for a, _ in rows for x in a], [x for _, o in rows for x in o])
         assert torch.equal(dense.trials, walked.trials) and torch.equal(dense.hits, walked.hits), trial
         assert any(o for _, o in rows)
+
+
+def test_a_plan_of_rows_without_branches_is_reused_for_a_few_steps_only(monkeypatch):
+    """Rows with no context branch are planned from the slowly moving estimates alone, so their plan
+    is kept for REPLAN_EVERY steps of the same row count; a row with a branch, an exploring step and
+    a new order of the template each plan again."""
+    from tr_serve.tr import budget as budget_module
+    from tr_serve.tr.budget import REPLAN_EVERY, TreeBudget
+
+    searches = []
+    search = budget_module.choose_plan
+    monkeypatch.setattr(budget_module, "choose_plan", lambda *a, **k: searches.append(1) or search(*a, **k))
+    latency = StepLatency(LatencyTable((1, 3), (1.0, 1.01)))  # query tokens nearly free
+    budget = TreeBudget(compile_tree([[0], [0, 0]]), latency, context_tokens=4, node_candidates=(0, 1, 2),
+                        chain_caps=(0, 1), explore_every=1000, reorder_every=1000)
+    successors = lambda before, token: [1]  # noqa: E731
+
+    def set_rates(p: float) -> None:
+        for stats in (budget.acceptance, budget.branchless):
+            stats.hits[:] = torch.tensor([p, p]) * stats.trials
+            stats._rates = None
+
+    def plan(chains: list[list[int]]) -> tuple[list[tuple[int, int]], bool]:
+        """The plan, and whether it was searched for."""
+        before = len(searches)
+        plans = budget.plan([0] * len(chains), successors, chains, [2 if c else 0 for c in chains])
+        return plans, len(searches) > before
+
+    set_rates(0.9)
+    assert plan([[]]) == ([(2, 0)], True)
+    set_rates(0.0)  # nothing pays any more, but the kept plan stands until it is REPLAN_EVERY steps old
+    assert [plan([[]]) for _ in range(REPLAN_EVERY - 1)] == [([(2, 0)], False)] * (REPLAN_EVERY - 1)
+    assert plan([[]]) == ([(0, 0)], True)  # planned again
+    set_rates(0.9)
+    assert plan([[], []]) == ([(2, 0), (2, 0)], True)  # another row count: a plan of its own
+    assert plan([[]]) == ([(0, 0)], False)  # the one-row plan is still kept
+    assert plan([[7]])[1]  # a row with a branch: planned at once
+    budget.explore_every = budget.steps + 1  # the next step explores (it verifies the runner-up plan)
+    assert plan([[]])[1]
+    budget.explore_every = 1000
+    budget.order_version += 1  # a new order: the kept plans' nodes are other nodes
+    assert plan([[]]) == ([(2, 0)], True)

@@ -467,6 +467,10 @@ _NOT_VERIFIED = 1 << 30  # merge position of a branch token that no template nod
 # its acceptance cost about 0.6 ms per step.
 LEAN_BELOW = 0.05
 LEAN_DECAY = 0.9
+# Steps a plan of rows that all have no context branch is reused for the same row count (while
+# the template's order is the same): such a plan follows the slowly moving estimates and latency
+# alone, and planning it again costs about 0.4 ms a step after a forward (rate lists, plan search).
+REPLAN_EVERY = 8
 
 
 class TreeBudget:
@@ -506,6 +510,8 @@ class TreeBudget:
         self.branch_calibration = GainCalibration()  # context-branch tokens
         self._expected: tuple[float, float] | None = None  # the last plan's (template, branch) expected drafts
         self.template_use = 1.0  # moving average of "the plan bought a template node" (full plans)
+        # rows -> (order version, step planned, plans, expected drafts) of plans with no branch
+        self._branchless_plans: dict[int, tuple[int, int, list[tuple[int, int]], tuple[float, float]]] = {}
 
     @property
     def lean_next(self) -> bool:
@@ -547,6 +553,14 @@ class TreeBudget:
         (:class:`ContextStats`; None: it agreed with none)."""
         agreements = agreements or [None] * len(chains)
         self.steps += 1
+        explore = self.steps % self.explore_every == 0
+        branchless = not any(chains) and not explore and self.steps % self.reorder_every != 0
+        if branchless:
+            kept = self._branchless_plans.get(len(chains))
+            if kept is not None and kept[0] == self.order_version and self.steps - kept[1] < REPLAN_EVERY:
+                self._expected = kept[3]
+                self._count_use(kept[2])
+                return list(kept[2])
         rates = self.acceptance.rate_list()  # path rate of template node i at [i-1]
         if self.steps % self.reorder_every == 0:
             self.reorder(rates)
@@ -568,15 +582,19 @@ class TreeBudget:
                 node, prev, drafted = nxt, drafted, tok
             merge_pos += [_NOT_VERIFIED] * (len(chain) - len(merge_pos))
             chain_info.append((merge_pos, self._branch_rates(chain, matches[r], agreements[r])))
-        explore = self.steps % self.explore_every == 0
         scaled = _scaled(chain_info, self.branch_calibration.scale)
         plans = choose_plan([p * scale for p in order_rates], scaled, self.latency, self.node_candidates,
                             self.chain_caps, explore, [p * scale for p in branchless_rates])
         self._expected = plan_gains(order_rates, chain_info, plans, branchless_rates)
+        if branchless:
+            self._branchless_plans[len(chains)] = (self.order_version, self.steps, list(plans), self._expected)
         if not explore:  # the runner-up plan of an exploring step is not the budget's choice
-            bought = any(n > 0 for n, _ in plans)
-            self.template_use = LEAN_DECAY * self.template_use + (1 - LEAN_DECAY) * bought
+            self._count_use(plans)
         return plans
+
+    def _count_use(self, plans: list[tuple[int, int]]) -> None:
+        bought = any(n > 0 for n, _ in plans)
+        self.template_use = LEAN_DECAY * self.template_use + (1 - LEAN_DECAY) * bought
 
     def reorder(self, rates: list[float]) -> None:
         """Re-rank the template nodes by estimated path rate (parents always before children)."""
