@@ -501,14 +501,30 @@ def test_template_nodes_and_branch_tokens_are_calibrated_apart():
                                                               before[3] * cal_b.decay + 2))
 
 
+def _template_tables(batch, acceptance):
+    """The whole template's tables :meth:`AcceptanceStats.outcomes` reads: the template drafted
+    [b, N+1], the model's choice after every template node [b, N+1] and which nodes each row
+    verified (a prefix of the batch's template columns) [b, N+1]."""
+    import numpy as np
+
+    rows = batch.tokens.shape[0]
+    n_full = batch.template_draft.shape[1] - 1
+    cols = np.concatenate([[0], batch.template_nodes.numpy()])
+    choice = np.zeros((rows, n_full + 1), dtype=np.int64)
+    choice[:, cols] = acceptance.choices[:, : len(cols)].numpy()
+    verified = np.zeros((rows, n_full + 1), dtype=bool)
+    verified[:, cols] = np.arange(len(cols))[None, :] <= np.asarray(batch.row_nodes)[:, None]
+    return batch.template_draft.numpy(), choice, verified
+
+
 def test_the_outcome_walk_finds_what_the_template_tables_find():
-    """TreeBudget.observe walks each row's accepted path (node_outcomes) instead of scanning the
-    whole template's tables (AcceptanceStats.outcomes): on random drafts of the 80-node template,
+    """TreeBudget.observe and observe_template walk each row's accepted path (node_outcomes)
+    instead of scanning the whole template's tables (AcceptanceStats.outcomes): on random drafts of the 80-node template,
     rows verifying different prefixes, with and without branches and duplicate tokens, both count
     the same hits and trials."""
     from dataclasses import replace
 
-    from tr_serve.tr.budget import node_outcomes, template_outcomes
+    from tr_serve.tr.budget import node_outcomes, observe_template
     from tr_serve.tr.draft import build_draft
     from tr_serve.tr.tree import load_template, order_by_rates
     from tr_serve.tr.verifier import accept_draft
@@ -539,10 +555,13 @@ def test_the_outcome_walk_finds_what_the_template_tables_find():
         acceptance = accept_draft(batch, torch.randint(0, 4, (b, q), generator=gen))
         dense = AcceptanceStats(tree, decay=0.9, prior_weight=1.0)
         walked = AcceptanceStats(tree, decay=0.9, prior_weight=1.0)
-        dense.add(*dense.outcomes(*template_outcomes(batch, acceptance)))
+        dense.add(*dense.outcomes(*_template_tables(batch, acceptance)))
         rows = node_outcomes(tree, batch, acceptance)
-        walked.add_nodes([x for a, _ in rows for x in a], [x for _, o in rows for x in o])
+        walked.add_rows(rows)
         assert torch.equal(dense.trials, walked.trials) and torch.equal(dense.hits, walked.hits), trial
+        fixed = AcceptanceStats(tree, decay=0.9, prior_weight=1.0)  # what a fixed tree's estimates see
+        observe_template(fixed, batch, acceptance)
+        assert torch.equal(dense.trials, fixed.trials) and torch.equal(dense.hits, fixed.hits), trial
         assert any(o for _, o in rows)
 
 

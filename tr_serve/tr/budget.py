@@ -129,16 +129,17 @@ class AcceptanceStats:
         trials += observed.sum(0)
         self._rates = None
 
-    def add_nodes(self, accepted: list[int], observed: list[int]) -> None:
-        """:meth:`add` given, over the step's rows, the nodes (1..N, repeated once per row) whose
-        path was accepted and the nodes that were observed (:func:`node_outcomes`)."""
+    def add_rows(self, rows: list[tuple[list[int], list[int]]]) -> None:
+        """:meth:`add` given each row's (nodes 1..N whose path was accepted, nodes observed), as
+        :func:`node_outcomes` finds them."""
         hits, trials = self.hits.numpy(), self.trials.numpy()
         hits *= self.decay
         trials *= self.decay
-        for node in accepted:
-            hits[node - 1] += 1.0
-        for node in observed:
-            trials[node - 1] += 1.0
+        for accepted, observed in rows:
+            for node in accepted:
+                hits[node - 1] += 1.0
+            for node in observed:
+                trials[node - 1] += 1.0
         self._rates = None
 
 
@@ -633,10 +634,10 @@ class TreeBudget:
         if batch.template_draft.shape[1] == self.template.num_nodes + 1:  # full plans: a lean step drafted no template
             # the same template: one walk finds every row's outcomes, each estimate counts its rows
             rows = node_outcomes(self.template, batch, acceptance)
-            self.acceptance.add_nodes([n for a, _ in rows for n in a], [n for _, o in rows for n in o])
+            self.acceptance.add_rows(rows)
             alone = [rows[r] for r, m in enumerate(batch.match_lengths) if m == 0]
             if alone:
-                self.branchless.add_nodes([n for a, _ in alone for n in a], [n for _, o in alone for n in o])
+                self.branchless.add_rows(alone)
         if self.context_stats is not None:
             self.context_stats.update(branch_outcomes(batch, acceptance))
 
@@ -677,25 +678,12 @@ def branch_outcomes(batch: "DraftBatch", acceptance: "Acceptance"
     return outcomes
 
 
-def template_outcomes(batch: "DraftBatch", acceptance: "Acceptance") -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """What :meth:`AcceptanceStats.update` reads from one step, on the host: the template drafted
-    [b, N+1], the model's choice after every template node [b, N+1] and which nodes each row
-    verified (a prefix of the batch's template columns) [b, N+1]."""
-    rows = batch.tokens.shape[0]
-    n_full = batch.template_draft.shape[1] - 1
-    cols = np.concatenate([[0], batch.template_nodes.numpy()])
-    choice = np.zeros((rows, n_full + 1), dtype=np.int64)
-    choice[:, cols] = acceptance.choices[:, : len(cols)].cpu().numpy()
-    verified = np.zeros((rows, n_full + 1), dtype=bool)
-    verified[:, cols] = np.arange(len(cols))[None, :] <= np.asarray(batch.row_nodes)[:, None]
-    return _host(batch.template_draft), choice, verified
-
-
 def node_outcomes(tree: CompiledTree, batch: "DraftBatch", acceptance: "Acceptance"
                   ) -> list[tuple[list[int], list[int]]]:
-    """Per row, (template nodes whose whole path was accepted, template nodes observed): what
-    :meth:`AcceptanceStats.outcomes` finds from :func:`template_outcomes`, found by walking down from
-    the root through the accepted nodes the row verified, whose children are the only nodes observed.
+    """Per row, (template nodes whose whole path was accepted, template nodes observed), for the
+    full template ``tree`` drafted in ``batch.template_draft``: what :meth:`AcceptanceStats.outcomes`
+    finds from tables of the whole template, found by walking down from the root through the
+    accepted nodes the row verified, whose children are the only nodes observed.
 
     Why a walk: a row observes the children of its accepted path only, a dozen nodes of the 80; the
     tables of the whole template cost ~0.25 ms a step at one row (measured in the engine), the walk
@@ -727,5 +715,5 @@ def node_outcomes(tree: CompiledTree, batch: "DraftBatch", acceptance: "Acceptan
 
 
 def observe_template(stats: AcceptanceStats, batch: "DraftBatch", acceptance: "Acceptance") -> None:
-    """Update per-node acceptance estimates from one step (:func:`template_outcomes`)."""
-    stats.update(*template_outcomes(batch, acceptance))
+    """Update per-node acceptance estimates from one step (:func:`node_outcomes`)."""
+    stats.add_rows(node_outcomes(stats.tree, batch, acceptance))
