@@ -50,10 +50,10 @@ class AcceptanceStats:
         # per node, its path from the root (node indices, 0 past its depth: a factor of 1.0)
         depths = tree.depths.numpy()
         self._path_nodes = np.zeros((tree.num_nodes, max(int(depths.max()), 1)), dtype=np.int64)
-        for i in order.tolist():
-            d = int(depths[i])
-            self._path_nodes[i - 1, : d - 1] = self._path_nodes[parents[i] - 1, : d - 1] if parents[i] > 0 else []
-            self._path_nodes[i - 1, d - 1] = i
+        for i in order.tolist():  # parents first: a node's path is its parent's, then itself
+            if parents[i] > 0:
+                self._path_nodes[i - 1] = self._path_nodes[parents[i] - 1]
+            self._path_nodes[i - 1, depths[i] - 1] = i
         # per depth: its nodes and their parents (what update() walks)
         self._levels = [(order[lo:hi], parents[order[lo:hi]]) for lo, hi in tree.level_slices]
         self._rates: list[float] | None = None
@@ -122,25 +122,27 @@ class AcceptanceStats:
 
     def add(self, accepted: np.ndarray, observed: np.ndarray) -> None:
         """Decay the counts one step, then add the outcomes [b, N] of that step's rows."""
-        hits, trials = self.hits.numpy(), self.trials.numpy()  # views: updated in place
-        hits *= self.decay
-        trials *= self.decay
+        hits, trials = self._decayed()
         hits += accepted.sum(0)
         trials += observed.sum(0)
-        self._rates = None
 
     def add_rows(self, rows: list[tuple[list[int], list[int]]]) -> None:
         """:meth:`add` given each row's (nodes 1..N whose path was accepted, nodes observed), as
         :func:`node_outcomes` finds them."""
-        hits, trials = self.hits.numpy(), self.trials.numpy()
-        hits *= self.decay
-        trials *= self.decay
+        hits, trials = self._decayed()
         for accepted, observed in rows:
             for node in accepted:
                 hits[node - 1] += 1.0
             for node in observed:
                 trials[node - 1] += 1.0
+
+    def _decayed(self) -> tuple[np.ndarray, np.ndarray]:
+        """The counts decayed one step, as numpy views to add a step's outcomes to in place."""
+        hits, trials = self.hits.numpy(), self.trials.numpy()
+        hits *= self.decay
+        trials *= self.decay
         self._rates = None
+        return hits, trials
 
 
 def _host(a: torch.Tensor | np.ndarray) -> np.ndarray:
