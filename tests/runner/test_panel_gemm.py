@@ -61,9 +61,10 @@ def test_batch_invariant_and_strided_input():
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("n", [16, 32, 48, 64, 80, 96, 112, 128, 208, 1000])
 def test_up_to_sixteen_rows_give_each_rows_result_alone(n, threads):
-    """Up to 16 rows run 4, 3, 2 or 1 panels per group by the row count, and each thread's run of
-    panels ends in smaller groups: every row count gives each row its own result (one row alone)
-    bit for bit, for every remainder of panels per thread."""
+    """Up to 12 rows run 4, 3 or 2 panels per group by the row count, 13-16 rows 3 panels with the
+    rows in blocks of 8, and each thread's run of panels ends in smaller groups: every row count
+    gives each row its own result (one row alone) bit for bit, for every remainder of panels per
+    thread."""
     g = torch.Generator().manual_seed(n + 3)
     w, x = torch.randn(n, 300, generator=g), torch.randn(16, 300, generator=g)
     p = pg.pack(w)
@@ -82,9 +83,9 @@ def test_up_to_sixteen_rows_give_each_rows_result_alone(n, threads):
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("n", [16, 32, 48, 64, 80, 128, 192, 208, 576])
 def test_rows_past_sixteen_give_each_rows_result_alone(n, threads):
-    """Past 16 rows the last chunk runs 1, 2 or 4 panels at a time, chosen by the panel count and
-    the threads (at 2 threads: 4 for 8 panels, 2 for 4, 12 or 36, 1 for 1, 5 or 13): every row's result is
-    still bit for bit the row's own, for every remainder."""
+    """Past 16 rows the rows run in blocks of 8 (a chunk of x's 16 rows holds two), 3 panels at a
+    time and the thread's last 1 or 2 panels together: every row's result is still bit for bit the
+    row's own, for every remainder of rows and panels."""
     g = torch.Generator().manual_seed(n + 7)
     w, x = torch.randn(n, 136, generator=g), torch.randn(41, 136, generator=g)
     p = pg.pack(w)

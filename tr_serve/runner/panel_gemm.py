@@ -1,4 +1,4 @@
-"""A small-M fp32 GEMM for CPU (``y = x @ W.T`` for 1-16 rows at a time), compiled on this machine.
+"""A small-M fp32 GEMM for CPU (``y = x @ W.T`` for a few to a few dozen rows), compiled on this machine.
 
 Why: a forward over a few query tokens streams every weight from memory once; with more rows, each
 weight element read should feed more multiply-adds at no extra memory cost. MKL's small-M paths
@@ -12,7 +12,11 @@ sequentially (with software prefetch) once per call. For each panel it keeps the
 every row in vector registers and, for each k, loads 16 weights once and multiplies them with each
 row's ``x[m, k]`` (a fused multiply-add per row). Calls of up to 12 rows work on 2-4 panels at
 once (more weight streams in flight, as many as the registers hold: 4 up to 6 rows, 3 up to 9, 2
-up to 12; 5-12 rows keep their running totals in the output to make room). The same vector code is written with GCC vector
+up to 12; 5-12 rows keep their running totals in the output to make room). Calls of 13 rows and
+more take 3 panels at a time and their rows in blocks of 8 per block of 128 k: the block's weights
+come from memory for the first 8 rows and from the L1 cache for the rest, so 3 weight streams stay
+in flight (one panel at a time for 16 rows had left the stream at about 17 GB/s, against 28 for
+one row). The same vector code is written with GCC vector
 extensions and compiled with ``-march=native`` by the C compiler found at start-up (``$CC``, ``cc``
 or ``gcc``), so it uses AVX-512 where the CPU has it and AVX2 or NEON elsewhere. It runs on torch's
 own OpenMP team (the library links ``libgomp.so.1``, which resolves to the copy torch has already
@@ -37,8 +41,6 @@ import torch.nn.functional as F
 from tr_serve.runner import native
 
 
-MAX_ROWS = 16  # rows held in registers; more rows run in chunks of this many, each panel read from memory once
-# (the last chunk's rows, when few, run 2 or 4 panels at a time)
 PANEL = 16  # output features per panel
 
 SOURCE = r"""
@@ -100,11 +102,63 @@ DEFINE_GROUP(5, 2) DEFINE_GROUP(6, 2) DEFINE_GROUP(7, 2) DEFINE_GROUP(8, 2)
 DEFINE_GROUP(1, 1) DEFINE_GROUP(2, 1) DEFINE_GROUP(3, 1) DEFINE_GROUP(4, 1)
 DEFINE_GROUP(5, 1) DEFINE_GROUP(6, 1) DEFINE_GROUP(7, 1) DEFINE_GROUP(8, 1)
 DEFINE_GROUP(9, 1) DEFINE_GROUP(10, 1) DEFINE_GROUP(11, 1) DEFINE_GROUP(12, 1)
-DEFINE_GROUP(13, 1) DEFINE_GROUP(14, 1) DEFINE_GROUP(15, 1) DEFINE_GROUP(16, 1)
 
 DEFINE_GROUP_Y(5, 4) DEFINE_GROUP_Y(6, 4)
 DEFINE_GROUP_Y(7, 3) DEFINE_GROUP_Y(8, 3) DEFINE_GROUP_Y(9, 3)
 DEFINE_GROUP_Y(9, 2) DEFINE_GROUP_Y(10, 2) DEFINE_GROUP_Y(11, 2) DEFINE_GROUP_Y(12, 2)
+
+/* Rows in blocks of 8 over one k-block of NP panels at a time (13 rows and more): the k-block's
+   weights (NP x 128 x 64 bytes) come from memory for the first 8 rows and from the L1 cache for
+   the next, so 3 weight streams are in flight per thread instead of 1, with 24 totals in registers.
+   The same sums in the same order as the groups above (a block's products from zero, then added to
+   the row's total in y, zeroed first), so the same results. */
+#define DEFINE_SPLIT(MM, NP)                                                                           \
+static void split_##MM##_##NP(const float *restrict xt, const float *restrict p, int64_t K,           \
+                              float *restrict y, int64_t ldy, int64_t k0, int64_t k1) {              \
+    v16 acc[NP][MM];                                                                                   \
+    for (int j = 0; j < NP; j++) for (int m = 0; m < MM; m++) acc[j][m] = (v16){0};                    \
+    for (int64_t k = k0; k < k1; k++) {                                                                \
+        const float *xk = xt + k * 16;                                                                 \
+        for (int j = 0; j < NP; j++) {                                                                 \
+            const float *pj = p + j * K * 16 + k * 16;                                                 \
+            __builtin_prefetch(pj + PF, 0, 3);                                                         \
+            v16 w;                                                                                     \
+            memcpy(&w, pj, sizeof w);                                                                  \
+            for (int m = 0; m < MM; m++) acc[j][m] += w * xk[m];                                       \
+        }                                                                                              \
+    }                                                                                                  \
+    for (int j = 0; j < NP; j++)                                                                       \
+        for (int m = 0; m < MM; m++) {                                                                 \
+            v16 t;                                                                                     \
+            memcpy(&t, y + m * ldy + j * 16, sizeof t);                                                \
+            t += acc[j][m];                                                                            \
+            memcpy(y + m * ldy + j * 16, &t, sizeof t);                                                \
+        }                                                                                              \
+}
+#define DEFINE_SPLITS(NP) DEFINE_SPLIT(1, NP) DEFINE_SPLIT(2, NP) DEFINE_SPLIT(3, NP) DEFINE_SPLIT(4, NP) \
+                          DEFINE_SPLIT(5, NP) DEFINE_SPLIT(6, NP) DEFINE_SPLIT(7, NP) DEFINE_SPLIT(8, NP)
+DEFINE_SPLITS(1) DEFINE_SPLITS(2) DEFINE_SPLITS(3)
+#define SPLIT_ROWS 8   /* rows per block: divides the 16 rows of a chunk of xt */
+#define SPLIT_PANELS 3
+
+typedef void (*split_fn)(const float *, const float *, int64_t, float *, int64_t, int64_t, int64_t);
+static const split_fn SPLITS[SPLIT_PANELS + 1][SPLIT_ROWS + 1] = {
+    {0},
+    {0, split_1_1, split_2_1, split_3_1, split_4_1, split_5_1, split_6_1, split_7_1, split_8_1},
+    {0, split_1_2, split_2_2, split_3_2, split_4_2, split_5_2, split_6_2, split_7_2, split_8_2},
+    {0, split_1_3, split_2_3, split_3_3, split_4_3, split_5_3, split_6_3, split_7_3, split_8_3}};
+
+/* NP panels at p for all M rows of xt (chunks of 16 rows, [chunks][K][16]) */
+static void split_group(const float *xt, const float *p, int64_t K, float *y, int64_t ldy, int64_t M, int NP) {
+    for (int64_t m = 0; m < M; m++) memset(y + m * ldy, 0, sizeof(float) * 16 * NP);
+    for (int64_t k0 = 0; k0 < K; k0 += KB) {
+        int64_t k1 = k0 + KB < K ? k0 + KB : K;
+        for (int64_t m0 = 0; m0 < M; m0 += SPLIT_ROWS) {
+            int64_t mm = M - m0 < SPLIT_ROWS ? M - m0 : SPLIT_ROWS;
+            SPLITS[NP][mm](xt + (m0 / 16) * K * 16 + m0 % 16, p, K, y + m0 * ldy, ldy, k0, k1);
+        }
+    }
+}
 
 typedef void (*group_fn)(const float *, const float *, int64_t, float *, int64_t);
 static const group_fn QUADS_Y[7] = {0, 0, 0, 0, 0, groupy_5_4, groupy_6_4};
@@ -114,21 +168,16 @@ static const group_fn PAIRS_Y[13] = {0, 0, 0, 0, 0, 0, 0, 0, 0, groupy_9_2, grou
 static const group_fn QUADS[5] = {0, group_1_4, group_2_4, group_3_4, group_4_4};
 static const group_fn PAIRS[9] = {0, group_1_2, group_2_2, group_3_2, group_4_2,
                                   group_5_2, group_6_2, group_7_2, group_8_2};
-static const group_fn SINGLES[17] = {0, group_1_1, group_2_1, group_3_1, group_4_1, group_5_1,
+static const group_fn SINGLES[13] = {0, group_1_1, group_2_1, group_3_1, group_4_1, group_5_1,
                                      group_6_1, group_7_1, group_8_1, group_9_1, group_10_1,
-                                     group_11_1, group_12_1, group_13_1, group_14_1, group_15_1,
-                                     group_16_1};
+                                     group_11_1, group_12_1};
 
 /* y[M][ldy] = x[M][K] (row stride ldx) . panels P[NB][K][16]; ldy >= NB*16; returns 0 on success */
 static __thread float *xt_buf;  /* x transposed per chunk of 16 rows, [chunks][K][16]; grows, never shrinks */
 static __thread int64_t xt_cap;
 
 /* y[M][ldy] = x[M][K] (row stride ldx) . panels P[NB][K][16]; ldy >= NB*16; returns 0 on success.
-   Rows run in chunks of 16; each panel (or pair of panels) is read from memory once and then serves
-   every chunk from the core's cache. Past 16 rows the last chunk's few rows run several panels at
-   a time: one row's single chain of multiply-adds per panel waited on the FMA latency, so a 17th
-   row cost a third of the first 16 (SmolLM2-135M's linears, 2 threads: 16 rows 34.0 ms, 17 rows
-   44.3 -> 39.5 ms, 24 rows 47.4 -> 44.1, 33 rows 71.9 -> 66.7). Each output's sum is unchanged. */
+   x is first transposed into chunks of 16 rows. Each thread takes an equal run of panels. */
 int tr_panel_gemm(const float *x, int64_t ldx, const float *P, float *y, int64_t ldy,
                   int64_t M, int64_t K, int64_t NB, int nthreads) {
     int64_t chunks = (M + 15) / 16;
@@ -144,16 +193,15 @@ int tr_panel_gemm(const float *x, int64_t ldx, const float *P, float *y, int64_t
         const float *src = x + m * ldx;
         for (int64_t k = 0; k < K; k++) dst[k * 16] = src[k];
     }
-    if (M <= 16) {
-        /* One chunk. NP panels at a time (NP weight streams in flight, NP chains of multiply-adds
+    if (M <= 12) {
+        /* NP panels at a time (NP weight streams in flight, NP chains of multiply-adds
            per row), as many as the registers hold: 4 up to 6 rows, 3 up to 9, 2 up to 12 (measured,
            SmolLM2-135M's linears and LM head, 2 threads, medians of 13: 5 rows 30.5 -> 29.9 ms,
            6 rows 30.6 -> 30.2 with 4 panels instead of 3; 9 rows 35.4 -> 33.0 with 3 instead of 2;
            7 rows with 4 and 10 with 3 were no faster: their totals and weights fill the registers).
-           Each thread takes an equal run of panels; a run's last few panels go in smaller groups. */
-        group_fn G = M <= 4 ? QUADS[M] : M <= 6 ? QUADS_Y[M] : M <= 9 ? TRIPLES_Y[M] : M <= 12 ? PAIRS_Y[M]
-                                                                                    : SINGLES[M];
-        int64_t NP = M <= 6 ? 4 : M <= 9 ? 3 : M <= 12 ? 2 : 1;
+           A run's last few panels go in smaller groups. */
+        group_fn G = M <= 4 ? QUADS[M] : M <= 6 ? QUADS_Y[M] : M <= 9 ? TRIPLES_Y[M] : PAIRS_Y[M];
+        int64_t NP = M <= 6 ? 4 : M <= 9 ? 3 : 2;
         #pragma omp parallel num_threads(nthreads)
         {
             int64_t nt = omp_get_num_threads(), t = omp_get_thread_num();
@@ -164,28 +212,18 @@ int tr_panel_gemm(const float *x, int64_t ldx, const float *P, float *y, int64_t
             for (; b < b1; b++) SINGLES[M](xt, P + b * K * 16, K, y + b * 16, ldy);
         }
     } else {
-        /* G panels per task: the full chunks run panel by panel; the last chunk's few rows run
-           G panels at a time (G chains of multiply-adds per row instead of one). G: the largest of
-           4, 2, 1 that loads the threads as evenly as single panels would. */
-        int64_t G = 1, best = -1;
-        for (int64_t cand = 4; cand >= 1; cand /= 2) {
-            int64_t tasks = (NB + cand - 1) / cand, per = ((tasks + nthreads - 1) / nthreads) * cand;
-            if (best < 0 || per < best) { best = per; G = cand; }
-        }
-        int64_t tasks = (NB + G - 1) / G, full = chunks - 1, last = M - full * 16;  /* rows in the last chunk */
-        const float *xl = xt + full * K * 16;
-        #pragma omp parallel for num_threads(nthreads) schedule(static)
-        for (int64_t g = 0; g < tasks; g++) {
-            int64_t nb0 = g * G, np = NB - nb0 < G ? NB - nb0 : G;
-            for (int64_t j = 0; j < np; j++)
-                for (int64_t c = 0; c < full; c++)
-                    group_16_1(xt + c * K * 16, P + (nb0 + j) * K * 16, K, y + c * 16 * ldy + (nb0 + j) * 16, ldy);
-            float *yl = y + full * 16 * ldy + nb0 * 16;
-            const float *pl = P + nb0 * K * 16;
-            int64_t j = 0;
-            if (last <= 4 && np == 4) { QUADS[last](xl, pl, K, yl, ldy); j = 4; }
-            for (; last <= 8 && j + 2 <= np; j += 2) PAIRS[last](xl, pl + j * K * 16, K, yl + j * 16, ldy);
-            for (; j < np; j++) SINGLES[last](xl, pl + j * K * 16, K, yl + j * 16, ldy);
+        /* 13 rows and more: 3 panels at a time, rows in blocks of 8 per k-block (split_group).
+           Before, 13-16 rows ran one panel at a time with 16 totals per row block in registers,
+           and more rows chunk by chunk. SmolLM2-135M's linears and LM head, 2 threads, medians of
+           9: 13 rows 30.5 -> 25.5 ms, 16 rows 31.5 -> 27.7, 24 rows 41.0 -> 37.7, 32 rows 50.2
+           -> 45.4, 48 rows 68.5 -> 61.1; 9-12 rows were no faster this way. */
+        #pragma omp parallel num_threads(nthreads)
+        {
+            int64_t nt = omp_get_num_threads(), t = omp_get_thread_num();
+            int64_t b0 = NB * t / nt, b1 = NB * (t + 1) / nt, b = b0;
+            for (; b + SPLIT_PANELS <= b1; b += SPLIT_PANELS)
+                split_group(xt, P + b * K * 16, K, y + b * 16, ldy, M, SPLIT_PANELS);
+            if (b < b1) split_group(xt, P + b * K * 16, K, y + b * 16, ldy, M, (int)(b1 - b));
         }
     }
     return 0;
