@@ -54,9 +54,34 @@ typedef float v16 __attribute__((vector_size(64)));
 #define KB 128   /* k per accumulation block */
 #define PF 1024  /* prefetch distance, floats */
 
-/* NP consecutive panels (NP*16 outputs) for MM rows; xt is x transposed, [K][16]. IN_Y: the running
-   totals kept in y instead of registers (the same sums in the same order, so the same results),
-   which frees registers for more panels at once */
+/* acc[NP][MM]: the products of k in [k0, k1) of NP consecutive panels at p with MM rows of xt (x
+   transposed, [K][16]), summed from zero in k order by fused multiply-adds */
+#define BLOCK_PRODUCTS(MM, NP)                                                                       \
+    v16 acc[NP][MM];                                                                                 \
+    for (int j = 0; j < NP; j++) for (int m = 0; m < MM; m++) acc[j][m] = (v16){0};                  \
+    for (int64_t k = k0; k < k1; k++) {                                                              \
+        const float *xk = xt + k * 16;                                                               \
+        for (int j = 0; j < NP; j++) {                                                               \
+            const float *pj = p + j * K * 16 + k * 16;                                               \
+            __builtin_prefetch(pj + PF, 0, 3);                                                       \
+            v16 w;                                                                                   \
+            memcpy(&w, pj, sizeof w);                                                                \
+            for (int m = 0; m < MM; m++) acc[j][m] += w * xk[m];                                     \
+        }                                                                                            \
+    }
+/* y[m][panel j] += acc[j][m]: a block's products added to the running totals kept in y */
+#define ADD_BLOCK_TO_Y(MM, NP)                                                                       \
+    for (int j = 0; j < NP; j++)                                                                     \
+        for (int m = 0; m < MM; m++) {                                                               \
+            v16 t;                                                                                   \
+            memcpy(&t, y + m * ldy + j * 16, sizeof t);                                              \
+            t += acc[j][m];                                                                          \
+            memcpy(y + m * ldy + j * 16, &t, sizeof t);                                              \
+        }
+
+/* NP consecutive panels (NP*16 outputs) for MM rows. IN_Y: the running totals kept in y instead of
+   registers (the same sums in the same order, so the same results), which frees registers for
+   more panels at once */
 #define DEFINE_GROUP_AS(NAME, MM, NP, IN_Y)                                                          \
 static void NAME(const float *restrict xt, const float *restrict p, int64_t K,                       \
                  float *restrict y, int64_t ldy) {                                                   \
@@ -68,27 +93,9 @@ static void NAME(const float *restrict xt, const float *restrict p, int64_t K,  
         }                                                                                            \
     for (int64_t k0 = 0; k0 < K; k0 += KB) {                                                         \
         int64_t k1 = k0 + KB < K ? k0 + KB : K;                                                      \
-        v16 acc[NP][MM];                                                                             \
-        for (int j = 0; j < NP; j++) for (int m = 0; m < MM; m++) acc[j][m] = (v16){0};              \
-        for (int64_t k = k0; k < k1; k++) {                                                          \
-            const float *xk = xt + k * 16;                                                           \
-            for (int j = 0; j < NP; j++) {                                                           \
-                const float *pj = p + j * K * 16 + k * 16;                                           \
-                __builtin_prefetch(pj + PF, 0, 3);                                                   \
-                v16 w;                                                                               \
-                memcpy(&w, pj, sizeof w);                                                            \
-                for (int m = 0; m < MM; m++) acc[j][m] += w * xk[m];                                 \
-            }                                                                                        \
-        }                                                                                            \
-        for (int j = 0; j < NP; j++)                                                                 \
-            for (int m = 0; m < MM; m++) {                                                           \
-                if (IN_Y) {                                                                          \
-                    v16 t;                                                                           \
-                    memcpy(&t, y + m * ldy + j * 16, sizeof t);                                      \
-                    t += acc[j][m];                                                                  \
-                    memcpy(y + m * ldy + j * 16, &t, sizeof t);                                      \
-                } else tot[j][m] += acc[j][m];                                                       \
-            }                                                                                        \
+        BLOCK_PRODUCTS(MM, NP)                                                                       \
+        if (IN_Y) { ADD_BLOCK_TO_Y(MM, NP) }                                                         \
+        else for (int j = 0; j < NP; j++) for (int m = 0; m < MM; m++) tot[j][m] += acc[j][m];       \
     }                                                                                                \
     if (!IN_Y)                                                                                       \
         for (int j = 0; j < NP; j++)                                                                 \
@@ -112,28 +119,11 @@ DEFINE_GROUP_Y(9, 2) DEFINE_GROUP_Y(10, 2) DEFINE_GROUP_Y(11, 2) DEFINE_GROUP_Y(
    the next, so 3 weight streams are in flight per thread instead of 1, with 24 totals in registers.
    The same sums in the same order as the groups above (a block's products from zero, then added to
    the row's total in y, zeroed first), so the same results. */
-#define DEFINE_SPLIT(MM, NP)                                                                           \
-static void split_##MM##_##NP(const float *restrict xt, const float *restrict p, int64_t K,           \
-                              float *restrict y, int64_t ldy, int64_t k0, int64_t k1) {              \
-    v16 acc[NP][MM];                                                                                   \
-    for (int j = 0; j < NP; j++) for (int m = 0; m < MM; m++) acc[j][m] = (v16){0};                    \
-    for (int64_t k = k0; k < k1; k++) {                                                                \
-        const float *xk = xt + k * 16;                                                                 \
-        for (int j = 0; j < NP; j++) {                                                                 \
-            const float *pj = p + j * K * 16 + k * 16;                                                 \
-            __builtin_prefetch(pj + PF, 0, 3);                                                         \
-            v16 w;                                                                                     \
-            memcpy(&w, pj, sizeof w);                                                                  \
-            for (int m = 0; m < MM; m++) acc[j][m] += w * xk[m];                                       \
-        }                                                                                              \
-    }                                                                                                  \
-    for (int j = 0; j < NP; j++)                                                                       \
-        for (int m = 0; m < MM; m++) {                                                                 \
-            v16 t;                                                                                     \
-            memcpy(&t, y + m * ldy + j * 16, sizeof t);                                                \
-            t += acc[j][m];                                                                            \
-            memcpy(y + m * ldy + j * 16, &t, sizeof t);                                                \
-        }                                                                                              \
+#define DEFINE_SPLIT(MM, NP)                                                                         \
+static void split_##MM##_##NP(const float *restrict xt, const float *restrict p, int64_t K,         \
+                              float *restrict y, int64_t ldy, int64_t k0, int64_t k1) {            \
+    BLOCK_PRODUCTS(MM, NP)                                                                           \
+    ADD_BLOCK_TO_Y(MM, NP)                                                                           \
 }
 #define DEFINE_SPLITS(NP) DEFINE_SPLIT(1, NP) DEFINE_SPLIT(2, NP) DEFINE_SPLIT(3, NP) DEFINE_SPLIT(4, NP) \
                           DEFINE_SPLIT(5, NP) DEFINE_SPLIT(6, NP) DEFINE_SPLIT(7, NP) DEFINE_SPLIT(8, NP)
