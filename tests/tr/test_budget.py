@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -14,13 +15,43 @@ def _tree():
     return compile_tree([(0,), (1,), (0, 0), (0, 0, 0)])
 
 
+def _table_outcomes(tree, draft, choice, verified=None) -> list[tuple[list[int], list[int]]]:
+    """The reference for :func:`node_outcomes`, from tables of the whole template: per row, (nodes
+    1..N whose whole path was accepted, nodes compared with the model's choice). draft [b, N+1];
+    choice [b, v] the model's token after each of the first ``v`` inputs (the root and a verified
+    prefix of the template), or, with ``verified`` [b, N+1] bool, choice [b, N+1] holding the
+    model's token after every verified node (the root always is). Level by level: a node is
+    observed when its parent's path was accepted and verified, accepted when also right."""
+    draft, choice = np.asarray(draft), np.asarray(choice)
+    n, b = tree.num_nodes, draft.shape[0]
+    if verified is None:
+        v = choice.shape[1]
+        verified = np.broadcast_to(np.arange(n + 1) < v, (b, n + 1))
+        choice = np.concatenate([choice, np.zeros((b, n + 1 - v), dtype=choice.dtype)], axis=1)
+    parents, order = tree.parents.numpy(), tree.level_order.numpy()
+    ok = np.zeros((b, n + 1), dtype=bool)
+    observed = np.zeros((b, n + 1), dtype=bool)
+    ok[:, 0] = True
+    for lo, hi in tree.level_slices:
+        idx = order[lo:hi]
+        par = parents[idx]
+        seen = ok[:, par] & verified[:, par]
+        observed[:, idx] = seen
+        ok[:, idx] = seen & (draft[:, idx] == choice[:, par])
+    return [(np.flatnonzero(ok[r, 1:]) + 1, np.flatnonzero(observed[r, 1:]) + 1) for r in range(b)]
+
+
+def _update(stats: AcceptanceStats, draft, choice) -> None:
+    stats.add_rows(_table_outcomes(stats.tree, draft, choice))
+
+
 def test_stats_count_only_known_outcomes():
     tree = _tree()
     stats = AcceptanceStats(tree, decay=1.0, prior_weight=0.0)
     draft = torch.tensor([[10, 11, 12, 13, 14]])
     # verified root + node 1 + node 2 (prefix of 2 nodes): choice after root=11, after node1=13
     choice = torch.tensor([[11, 13, 0]])
-    stats.update(draft, choice)
+    _update(stats, draft, choice)
     # node1 correct (11), node2 wrong (12 != 11), node3 correct (13 after node1), node4 unknown
     assert stats.trials.tolist() == [1.0, 1.0, 1.0, 0.0]
     assert stats.hits.tolist() == [1.0, 0.0, 1.0, 0.0]
@@ -31,7 +62,7 @@ def test_stats_observe_a_node_only_when_its_parent_path_was_accepted():
     stats = AcceptanceStats(tree, decay=1.0, prior_weight=0.0)
     draft = torch.tensor([[10, 11, 12, 13, 14]])
     choice = torch.tensor([[99]])  # only the root verified (plain decoding): both children wrong
-    stats.update(draft, choice)
+    _update(stats, draft, choice)
     # nodes 3 and 4 descend from the wrong node 1: their conditional rate is not observed (counting
     # them as failures would only ever record failures for nodes beyond the budget)
     assert stats.trials.tolist() == [1.0, 1.0, 0.0, 0.0]
@@ -52,7 +83,7 @@ def test_path_rates_stay_unbiased_when_the_budget_hides_the_deeper_nodes():
         after_node1 = 13 if second_ok else 51
         full = [after_root, after_node1, 52, 14, 53]
         v = 5 if step % 10 == 0 else 1
-        stats.update(draft, torch.tensor([full[:v]]))
+        _update(stats, draft, torch.tensor([full[:v]]))
     rates = stats.rates
     assert abs(float(rates[0]) - 0.5) < 0.03
     assert abs(float(rates[2]) - 0.25) < 0.05  # counting "known only when failed" gives ~0.05
@@ -502,11 +533,9 @@ def test_template_nodes_and_branch_tokens_are_calibrated_apart():
 
 
 def _template_tables(batch, acceptance):
-    """The whole template's tables :meth:`AcceptanceStats.outcomes` reads: the template drafted
+    """The whole template's tables :func:`_table_outcomes` reads: the template drafted
     [b, N+1], the model's choice after every template node [b, N+1] and which nodes each row
     verified (a prefix of the batch's template columns) [b, N+1]."""
-    import numpy as np
-
     rows = batch.tokens.shape[0]
     n_full = batch.template_draft.shape[1] - 1
     cols = np.concatenate([[0], batch.template_nodes.numpy()])
@@ -519,7 +548,7 @@ def _template_tables(batch, acceptance):
 
 def test_the_outcome_walk_finds_what_the_template_tables_find():
     """TreeBudget.observe and observe_template walk each row's accepted path (node_outcomes)
-    instead of scanning the whole template's tables (AcceptanceStats.outcomes): on random drafts of the 80-node template,
+    instead of scanning the whole template's tables (_table_outcomes): on random drafts of the 80-node template,
     rows verifying different prefixes, with and without branches and duplicate tokens, both count
     the same hits and trials."""
     from dataclasses import replace
@@ -555,7 +584,7 @@ def test_the_outcome_walk_finds_what_the_template_tables_find():
         acceptance = accept_draft(batch, torch.randint(0, 4, (b, q), generator=gen))
         dense = AcceptanceStats(tree, decay=0.9, prior_weight=1.0)
         walked = AcceptanceStats(tree, decay=0.9, prior_weight=1.0)
-        dense.add(*dense.outcomes(*_template_tables(batch, acceptance)))
+        dense.add_rows(_table_outcomes(tree, *_template_tables(batch, acceptance)))
         rows = node_outcomes(tree, batch, acceptance)
         walked.add_rows(rows)
         assert torch.equal(dense.trials, walked.trials) and torch.equal(dense.hits, walked.hits), trial

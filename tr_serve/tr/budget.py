@@ -54,8 +54,6 @@ class AcceptanceStats:
             if parents[i] > 0:
                 self._path_nodes[i - 1] = self._path_nodes[parents[i] - 1]
             self._path_nodes[i - 1, depths[i] - 1] = i
-        # per depth: its nodes and their parents (what update() walks)
-        self._levels = [(order[lo:hi], parents[order[lo:hi]]) for lo, hi in tree.level_slices]
         self._rates: list[float] | None = None
 
     @property
@@ -81,68 +79,19 @@ class AcceptanceStats:
             self._rates = q[self._path_nodes].prod(axis=1).tolist()  # root first along each path
         return self._rates
 
-    def update(self, draft: torch.Tensor | np.ndarray, choice: torch.Tensor | np.ndarray,
-               verified: torch.Tensor | np.ndarray | None = None) -> None:
-        """Count one step's outcomes (:meth:`outcomes`)."""
-        self.add(*self.outcomes(draft, choice, verified))
-
-    def outcomes(self, draft: torch.Tensor | np.ndarray, choice: torch.Tensor | np.ndarray,
-                 verified: torch.Tensor | np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
-        """Per row and node 1..N, (accepted: the node's whole path was right, observed: it was
-        compared with the model's choice), both [b, N] bool. draft [b, N+1] drafted tokens of the
-        full template; choice [b, v] the model's token after each of the first ``v`` inputs (the
-        root and a verified prefix of the template), or, with ``verified`` [N+1] or per row
-        [b, N+1] bool, choice [b, N+1] holding the model's token after every verified node (the
-        root always is). Rows are independent: the outcomes of a subset of rows are those rows'."""
-        # numpy: a step updates 80 counts from a few [b, N+1] tables; as torch ops this was ~25 small
-        # calls per step (0.2 ms at 13 rows), as numpy ops a fraction of that
-        tree = self.tree
-        n = tree.num_nodes
-        b = draft.shape[0]
-        choice, draft = _host(choice), _host(draft)
-        if verified is None:
-            v = choice.shape[1]
-            verified = np.arange(n + 1) < v
-            choice = np.concatenate([choice, np.zeros((b, n + 1 - v), dtype=choice.dtype)], axis=1)
-        else:
-            verified = _host(verified)
-        if verified.ndim == 1:
-            verified = np.broadcast_to(verified[None], (b, n + 1))
-        ok = np.zeros((b, n + 1), dtype=bool)  # the node's whole path was accepted
-        observed = np.zeros((b, n + 1), dtype=bool)  # the node was compared with the model's choice
-        ok[:, 0] = True
-        for idx, par in self._levels:  # [m] nodes of one depth, [m] their parents
-            known = verified[:, par]  # [b, m]
-            if not known.any():
-                break  # no parent on this level was verified, so none deeper was either
-            seen = ok[:, par] & known  # parent accepted and the model's token after it is known
-            observed[:, idx] = seen
-            ok[:, idx] = seen & (draft[:, idx] == choice[:, par])
-        return ok[:, 1:], observed[:, 1:]
-
-    def add(self, accepted: np.ndarray, observed: np.ndarray) -> None:
-        """Decay the counts one step, then add the outcomes [b, N] of that step's rows."""
-        hits, trials = self._decayed()
-        hits += accepted.sum(0)
-        trials += observed.sum(0)
-
     def add_rows(self, rows: list[tuple[list[int], list[int]]]) -> None:
-        """:meth:`add` given each row's (nodes 1..N whose path was accepted, nodes observed), as
-        :func:`node_outcomes` finds them."""
-        hits, trials = self._decayed()
+        """Decay the counts one step, then add that step's outcomes: per row, (nodes 1..N whose
+        whole path was accepted, nodes compared with the model's choice), as :func:`node_outcomes`
+        finds them."""
+        hits, trials = self.hits.numpy(), self.trials.numpy()  # views: updated in place
+        hits *= self.decay
+        trials *= self.decay
         for accepted, observed in rows:
             for node in accepted:
                 hits[node - 1] += 1.0
             for node in observed:
                 trials[node - 1] += 1.0
-
-    def _decayed(self) -> tuple[np.ndarray, np.ndarray]:
-        """The counts decayed one step, as numpy views to add a step's outcomes to in place."""
-        hits, trials = self.hits.numpy(), self.trials.numpy()
-        hits *= self.decay
-        trials *= self.decay
         self._rates = None
-        return hits, trials
 
 
 def _host(a: torch.Tensor | np.ndarray) -> np.ndarray:
@@ -683,9 +632,8 @@ def branch_outcomes(batch: "DraftBatch", acceptance: "Acceptance"
 def node_outcomes(tree: CompiledTree, batch: "DraftBatch", acceptance: "Acceptance"
                   ) -> list[tuple[list[int], list[int]]]:
     """Per row, (template nodes whose whole path was accepted, template nodes observed), for the
-    full template ``tree`` drafted in ``batch.template_draft``: what :meth:`AcceptanceStats.outcomes`
-    finds from tables of the whole template, found by walking down from the root through the
-    accepted nodes the row verified, whose children are the only nodes observed.
+    full template ``tree`` drafted in ``batch.template_draft``, found by walking down from the root
+    through the accepted nodes the row verified, whose children are the only nodes observed.
 
     Why a walk: a row observes the children of its accepted path only, a dozen nodes of the 80; the
     tables of the whole template cost ~0.25 ms a step at one row (measured in the engine), the walk
