@@ -61,8 +61,9 @@ def test_batch_invariant_and_strided_input():
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("n", [16, 32, 48, 64, 80, 96, 112, 128, 208, 1000])
 def test_up_to_sixteen_rows_give_each_rows_result_alone(n, threads):
-    """Up to 12 rows run 4, 3 or 2 panels per group by the row count, 13-16 rows 3 panels with the
-    rows in blocks of 8, and each thread's run of panels ends in smaller groups: every row count
+    """Up to 9 rows run 4 or 3 panels per group by the row count, 10-16 rows 3 panels with the
+    rows in blocks of 8 over sub-blocks of 32 k (K = 300: two whole blocks of 128, then 44 k, whose
+    last sub-block is short), and each thread's run of panels ends in smaller groups: every row count
     gives each row its own result (one row alone) bit for bit, for every remainder of panels per
     thread."""
     g = torch.Generator().manual_seed(n + 3)
@@ -84,8 +85,9 @@ def test_up_to_sixteen_rows_give_each_rows_result_alone(n, threads):
 @pytest.mark.parametrize("n", [16, 32, 48, 64, 80, 128, 192, 208, 576])
 def test_rows_past_sixteen_give_each_rows_result_alone(n, threads):
     """Past 16 rows the rows run in blocks of 8 (a chunk of x's 16 rows holds two), 3 panels at a
-    time and the thread's last 1 or 2 panels together: every row's result is still bit for bit the
-    row's own, for every remainder of rows and panels."""
+    time and the thread's last 1 or 2 panels together, over sub-blocks of 32 k up to 32 rows and
+    whole 128-k blocks past that: every row's result is still bit for bit the row's own, for every
+    remainder of rows and panels."""
     g = torch.Generator().manual_seed(n + 7)
     w, x = torch.randn(n, 136, generator=g), torch.randn(41, 136, generator=g)
     p = pg.pack(w)
@@ -128,3 +130,22 @@ def test_built_once_into_the_cache(tmp_path, monkeypatch):
     monkeypatch.setattr(pg.KERNEL, "tried", False)
     monkeypatch.setattr(pg.KERNEL, "lib", None)
     assert pg.load() is not None and lib.stat().st_mtime_ns == stamp  # reused, not rebuilt
+
+
+@needs_kernel
+@pytest.mark.parametrize("threads", [1, 2])
+def test_rows_past_128_run_in_ranges_and_give_each_rows_result_alone(threads):
+    """Past 128 rows a group of panels takes its rows 128 at a time (its scratch lives on the
+    thread's stack): the rows of the second range are still each row's own result."""
+    g = torch.Generator().manual_seed(11)
+    n = 80
+    w, x = torch.randn(n, 136, generator=g), torch.randn(150, 136, generator=g)
+    p = pg.pack(w)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        alone = torch.cat([pg.linear(x[r : r + 1], p, n) for r in range(150)])
+        for m in (128, 129, 137, 150):
+            assert torch.equal(pg.linear(x[:m], p, n), alone[:m]), m
+    finally:
+        torch.set_num_threads(before)

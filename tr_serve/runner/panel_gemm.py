@@ -10,13 +10,14 @@ multiply-adds at the cores' peak).
 This kernel stores each weight matrix as panels of 16 output features, ``[N/16][K][16]``, read
 sequentially (with software prefetch) once per call. For each panel it keeps the 16 outputs of
 every row in vector registers and, for each k, loads 16 weights once and multiplies them with each
-row's ``x[m, k]`` (a fused multiply-add per row). Calls of up to 12 rows work on 2-4 panels at
-once (more weight streams in flight, as many as the registers hold: 4 up to 6 rows, 3 up to 9, 2
-up to 12; 5-12 rows keep their running totals in the output to make room). Calls of 13 rows and
-more take 3 panels at a time and their rows in blocks of 8 per block of 128 k: the block's weights
-come from memory for the first 8 rows and from the L1 cache for the rest, so 3 weight streams stay
-in flight (one panel at a time for 16 rows had left the stream at about 17 GB/s, against 28 for
-one row). The same vector code is written with GCC vector
+row's ``x[m, k]`` (a fused multiply-add per row). Calls of up to 9 rows work on 3-4 panels at
+once (more weight streams in flight, as many as the registers hold: 4 up to 6 rows, 3 up to 9;
+5-9 rows keep their running totals in the output to make room). Calls of 10 rows and more take 3
+panels at a time and their rows in blocks of 8 per sub-block of 32 k: the sub-block's weights come
+from memory for the first 8 rows and from the L1 cache for the rest, so 3 weight streams stay in
+flight (one panel at a time for 16 rows had left the stream at about 17 GB/s, against 28 for one
+row), and the short passes over the L1 copy let the stream go on between them. The same vector
+code is written with GCC vector
 extensions and compiled with ``-march=native`` by the C compiler found at start-up (``$CC``, ``cc``
 or ``gcc``), so it uses AVX-512 where the CPU has it and AVX2 or NEON elsewhere. It runs on torch's
 own OpenMP team (the library links ``libgomp.so.1``, which resolves to the copy torch has already
@@ -54,21 +55,24 @@ typedef float v16 __attribute__((vector_size(64)));
 #define KB 128   /* k per accumulation block */
 #define PF 1024  /* prefetch distance, floats */
 
-/* acc[NP][MM]: the products of k in [k0, k1) of NP consecutive panels at p with MM rows of xt (x
-   transposed, [K][16]), summed from zero in k order by fused multiply-adds */
-#define BLOCK_PRODUCTS(MM, NP)                                                                       \
-    v16 acc[NP][MM];                                                                                 \
-    for (int j = 0; j < NP; j++) for (int m = 0; m < MM; m++) acc[j][m] = (v16){0};                  \
+/* acc[NP][MM] += the products of k in [k0, k1) of NP consecutive panels at p with MM rows of xt (x
+   transposed, [K][16]), by fused multiply-adds in k order, prefetching DIST floats ahead */
+#define PRODUCTS(MM, NP, DIST)                                                                       \
     for (int64_t k = k0; k < k1; k++) {                                                              \
         const float *xk = xt + k * 16;                                                               \
         for (int j = 0; j < NP; j++) {                                                               \
             const float *pj = p + j * K * 16 + k * 16;                                               \
-            __builtin_prefetch(pj + PF, 0, 3);                                                       \
+            __builtin_prefetch(pj + DIST, 0, 3);                                                     \
             v16 w;                                                                                   \
             memcpy(&w, pj, sizeof w);                                                                \
             for (int m = 0; m < MM; m++) acc[j][m] += w * xk[m];                                     \
         }                                                                                            \
     }
+/* acc[NP][MM]: a block's products, summed from zero */
+#define BLOCK_PRODUCTS(MM, NP)                                                                       \
+    v16 acc[NP][MM];                                                                                 \
+    for (int j = 0; j < NP; j++) for (int m = 0; m < MM; m++) acc[j][m] = (v16){0};                  \
+    PRODUCTS(MM, NP, PF)
 /* y[m][panel j] += acc[j][m]: a block's products added to the running totals kept in y */
 #define ADD_BLOCK_TO_Y(MM, NP)                                                                       \
     for (int j = 0; j < NP; j++)                                                                     \
@@ -108,61 +112,91 @@ DEFINE_GROUP(1, 4) DEFINE_GROUP(2, 4) DEFINE_GROUP(3, 4) DEFINE_GROUP(4, 4) DEFI
 DEFINE_GROUP(5, 2) DEFINE_GROUP(6, 2) DEFINE_GROUP(7, 2) DEFINE_GROUP(8, 2)
 DEFINE_GROUP(1, 1) DEFINE_GROUP(2, 1) DEFINE_GROUP(3, 1) DEFINE_GROUP(4, 1)
 DEFINE_GROUP(5, 1) DEFINE_GROUP(6, 1) DEFINE_GROUP(7, 1) DEFINE_GROUP(8, 1)
-DEFINE_GROUP(9, 1) DEFINE_GROUP(10, 1) DEFINE_GROUP(11, 1) DEFINE_GROUP(12, 1)
+DEFINE_GROUP(9, 1)
 
 DEFINE_GROUP_Y(5, 4) DEFINE_GROUP_Y(6, 4)
 DEFINE_GROUP_Y(7, 3) DEFINE_GROUP_Y(8, 3) DEFINE_GROUP_Y(9, 3)
-DEFINE_GROUP_Y(9, 2) DEFINE_GROUP_Y(10, 2) DEFINE_GROUP_Y(11, 2) DEFINE_GROUP_Y(12, 2)
+DEFINE_GROUP_Y(9, 2)
 
-/* Rows in blocks of 8 over one k-block of NP panels at a time (13 rows and more): the k-block's
-   weights (NP x 128 x 64 bytes) come from memory for the first 8 rows and from the L1 cache for
-   the next, so 3 weight streams are in flight per thread instead of 1, with 24 totals in registers.
-   The same sums in the same order as the groups above (a block's products from zero, then added to
-   the row's total in y, zeroed first), so the same results. */
+/* Rows in blocks of 8 over NP panels at a time (10 rows and more), one sub-block of 32 k at a time:
+   the sub-block's weights (NP x 32 x 64 bytes) come from memory for the first 8 rows and from the L1
+   cache for the next, so 3 weight streams are in flight per thread instead of 1, with 24 totals in
+   registers. The passes over the L1 copy are short (32 k), so the weight stream, kept going by
+   prefetches 256 floats ahead, never waits long for them. Between sub-blocks a row block's partial
+   sums wait in a scratch slot (s[j * 8 + m]; a float stored and read back is the same float), and the
+   last sub-block of a 128-k block adds them to the row's total in y (zeroed first): each block's
+   products are still summed from zero in k order, then added in block order, the same sums in the
+   same order as the groups above, so the same results. Calls of more than 32 rows, whose passes are
+   bound by the multiply-adds, take whole 128-k blocks (sub-blocks: 1-2% slower at 48-64 rows). */
+#define SPLIT_ROWS 8   /* rows per block: divides the 16 rows of a chunk of xt */
+#define SPLIT_PANELS 3
+#define SPLIT_K 32     /* k per sub-block up to SPLIT_K_ROWS rows (more rows: whole blocks); divides KB */
+#define SPLIT_K_ROWS 32
+#define SPLIT_PF 256   /* prefetch distance, floats */
+#define SPLIT_SLOT (SPLIT_ROWS * SPLIT_PANELS)  /* scratch per row block, in vectors */
 #define DEFINE_SPLIT(MM, NP)                                                                         \
 static void split_##MM##_##NP(const float *restrict xt, const float *restrict p, int64_t K,         \
-                              float *restrict y, int64_t ldy, int64_t k0, int64_t k1) {            \
-    BLOCK_PRODUCTS(MM, NP)                                                                           \
-    ADD_BLOCK_TO_Y(MM, NP)                                                                           \
+                              float *restrict y, int64_t ldy, v16 *restrict s, int64_t k0,          \
+                              int64_t k1, int first, int last) {                                    \
+    v16 acc[NP][MM];                                                                                 \
+    for (int j = 0; j < NP; j++)                                                                     \
+        for (int m = 0; m < MM; m++) acc[j][m] = first ? (v16){0} : s[j * SPLIT_ROWS + m];           \
+    PRODUCTS(MM, NP, SPLIT_PF)                                                                       \
+    if (last) { ADD_BLOCK_TO_Y(MM, NP) }                                                             \
+    else for (int j = 0; j < NP; j++) for (int m = 0; m < MM; m++) s[j * SPLIT_ROWS + m] = acc[j][m]; \
 }
 #define DEFINE_SPLITS(NP) DEFINE_SPLIT(1, NP) DEFINE_SPLIT(2, NP) DEFINE_SPLIT(3, NP) DEFINE_SPLIT(4, NP) \
                           DEFINE_SPLIT(5, NP) DEFINE_SPLIT(6, NP) DEFINE_SPLIT(7, NP) DEFINE_SPLIT(8, NP)
 DEFINE_SPLITS(1) DEFINE_SPLITS(2) DEFINE_SPLITS(3)
-#define SPLIT_ROWS 8   /* rows per block: divides the 16 rows of a chunk of xt */
-#define SPLIT_PANELS 3
 
-typedef void (*split_fn)(const float *, const float *, int64_t, float *, int64_t, int64_t, int64_t);
+typedef void (*split_fn)(const float *, const float *, int64_t, float *, int64_t, v16 *, int64_t, int64_t, int, int);
 static const split_fn SPLITS[SPLIT_PANELS + 1][SPLIT_ROWS + 1] = {
     {0},
     {0, split_1_1, split_2_1, split_3_1, split_4_1, split_5_1, split_6_1, split_7_1, split_8_1},
     {0, split_1_2, split_2_2, split_3_2, split_4_2, split_5_2, split_6_2, split_7_2, split_8_2},
     {0, split_1_3, split_2_3, split_3_3, split_4_3, split_5_3, split_6_3, split_7_3, split_8_3}};
 
-/* NP panels at p for all M rows of xt (chunks of 16 rows, [chunks][K][16]) */
-static void split_group(const float *xt, const float *p, int64_t K, float *y, int64_t ldy, int64_t M, int NP) {
+/* NP panels at p for M rows of xt (chunks of 16 rows, [chunks][K][16]); s: ceil(M / 8) slots */
+static void split_rows(const float *xt, const float *p, int64_t K, float *y, int64_t ldy, int64_t M, int NP,
+                       v16 *s) {
+    int64_t sub = M <= SPLIT_K_ROWS ? SPLIT_K : KB;
     for (int64_t m = 0; m < M; m++) memset(y + m * ldy, 0, sizeof(float) * 16 * NP);
     for (int64_t k0 = 0; k0 < K; k0 += KB) {
         int64_t k1 = k0 + KB < K ? k0 + KB : K;
-        for (int64_t m0 = 0; m0 < M; m0 += SPLIT_ROWS) {
-            int64_t mm = M - m0 < SPLIT_ROWS ? M - m0 : SPLIT_ROWS;
-            SPLITS[NP][mm](xt + (m0 / 16) * K * 16 + m0 % 16, p, K, y + m0 * ldy, ldy, k0, k1);
+        for (int64_t s0 = k0; s0 < k1; s0 += sub) {
+            int64_t s1 = s0 + sub < k1 ? s0 + sub : k1;
+            for (int64_t m0 = 0; m0 < M; m0 += SPLIT_ROWS) {
+                int64_t mm = M - m0 < SPLIT_ROWS ? M - m0 : SPLIT_ROWS;
+                SPLITS[NP][mm](xt + (m0 / 16) * K * 16 + m0 % 16, p, K, y + m0 * ldy, ldy,
+                               s + (m0 / SPLIT_ROWS) * SPLIT_SLOT, s0, s1, s0 == k0, s1 == k1);
+            }
         }
     }
+}
+
+#define SPLIT_MAX_ROWS 128  /* rows per split_rows call: 24 KB of scratch */
+/* NP panels at p for all M rows of xt, 128 rows at a time. The scratch is on the thread's stack: in
+   one heap buffer beside xt_buf (both page-aligned), 24-64 rows ran 15-20% slower (35.9 -> 41.8 ms
+   at 24 rows, measured when every sub-block's sums went through it), as if its stores and xt's loads
+   collided at the same offsets in 4 KB pages. */
+static void split_group(const float *xt, const float *p, int64_t K, float *y, int64_t ldy, int64_t M, int NP) {
+    v16 s[SPLIT_MAX_ROWS / SPLIT_ROWS * SPLIT_SLOT];
+    for (int64_t r0 = 0; r0 < M; r0 += SPLIT_MAX_ROWS)
+        split_rows(xt + (r0 / 16) * K * 16, p, K, y + r0 * ldy, ldy,
+                   M - r0 < SPLIT_MAX_ROWS ? M - r0 : SPLIT_MAX_ROWS, NP, s);
 }
 
 typedef void (*group_fn)(const float *, const float *, int64_t, float *, int64_t);
 static const group_fn QUADS_Y[7] = {0, 0, 0, 0, 0, groupy_5_4, groupy_6_4};
 static const group_fn TRIPLES_Y[10] = {0, 0, 0, 0, 0, 0, 0, groupy_7_3, groupy_8_3, groupy_9_3};
-static const group_fn PAIRS_Y[13] = {0, 0, 0, 0, 0, 0, 0, 0, 0, groupy_9_2, groupy_10_2, groupy_11_2, groupy_12_2};
+static const group_fn PAIRS_Y[10] = {0, 0, 0, 0, 0, 0, 0, 0, 0, groupy_9_2};
 
 static const group_fn QUADS[5] = {0, group_1_4, group_2_4, group_3_4, group_4_4};
 static const group_fn PAIRS[9] = {0, group_1_2, group_2_2, group_3_2, group_4_2,
                                   group_5_2, group_6_2, group_7_2, group_8_2};
-static const group_fn SINGLES[13] = {0, group_1_1, group_2_1, group_3_1, group_4_1, group_5_1,
-                                     group_6_1, group_7_1, group_8_1, group_9_1, group_10_1,
-                                     group_11_1, group_12_1};
+static const group_fn SINGLES[10] = {0, group_1_1, group_2_1, group_3_1, group_4_1, group_5_1,
+                                     group_6_1, group_7_1, group_8_1, group_9_1};
 
-/* y[M][ldy] = x[M][K] (row stride ldx) . panels P[NB][K][16]; ldy >= NB*16; returns 0 on success */
 static __thread float *xt_buf;  /* x transposed per chunk of 16 rows, [chunks][K][16]; grows, never shrinks */
 static __thread int64_t xt_cap;
 
@@ -183,15 +217,15 @@ int tr_panel_gemm(const float *x, int64_t ldx, const float *P, float *y, int64_t
         const float *src = x + m * ldx;
         for (int64_t k = 0; k < K; k++) dst[k * 16] = src[k];
     }
-    if (M <= 12) {
+    if (M <= 9) {
         /* NP panels at a time (NP weight streams in flight, NP chains of multiply-adds
-           per row), as many as the registers hold: 4 up to 6 rows, 3 up to 9, 2 up to 12 (measured,
+           per row), as many as the registers hold: 4 up to 6 rows, 3 up to 9 (measured,
            SmolLM2-135M's linears and LM head, 2 threads, medians of 13: 5 rows 30.5 -> 29.9 ms,
            6 rows 30.6 -> 30.2 with 4 panels instead of 3; 9 rows 35.4 -> 33.0 with 3 instead of 2;
-           7 rows with 4 and 10 with 3 were no faster: their totals and weights fill the registers).
+           7 rows with 4 were no faster: their totals and weights fill the registers).
            A run's last few panels go in smaller groups. */
-        group_fn G = M <= 4 ? QUADS[M] : M <= 6 ? QUADS_Y[M] : M <= 9 ? TRIPLES_Y[M] : PAIRS_Y[M];
-        int64_t NP = M <= 6 ? 4 : M <= 9 ? 3 : 2;
+        group_fn G = M <= 4 ? QUADS[M] : M <= 6 ? QUADS_Y[M] : TRIPLES_Y[M];
+        int64_t NP = M <= 6 ? 4 : 3;
         #pragma omp parallel num_threads(nthreads)
         {
             int64_t nt = omp_get_num_threads(), t = omp_get_thread_num();
@@ -202,11 +236,11 @@ int tr_panel_gemm(const float *x, int64_t ldx, const float *P, float *y, int64_t
             for (; b < b1; b++) SINGLES[M](xt, P + b * K * 16, K, y + b * 16, ldy);
         }
     } else {
-        /* 13 rows and more: 3 panels at a time, rows in blocks of 8 per k-block (split_group).
-           Before, 13-16 rows ran one panel at a time with 16 totals per row block in registers,
-           and more rows chunk by chunk. SmolLM2-135M's linears and LM head, 2 threads, medians of
-           9: 13 rows 30.5 -> 25.5 ms, 16 rows 31.5 -> 27.7, 24 rows 41.0 -> 37.7, 32 rows 50.2
-           -> 45.4, 48 rows 68.5 -> 61.1; 9-12 rows were no faster this way. */
+        /* 10 rows and more: 3 panels at a time, rows in blocks of 8 per sub-block of 32 k
+           (split_group). SmolLM2-135M's linears and LM head, 2 threads, medians of 9, against blocks
+           of 8 rows over whole 128-k blocks (session 26, for 13 rows and more) and, for 10-12 rows,
+           2 panels at a time with all rows in registers: 10 rows 24.1 -> 23.2 ms, 12 rows 25.1 ->
+           24.1, 13 rows 26.3 -> 24.8, 16 rows 28.3 -> 26.8 (9 rows were no faster this way) */
         #pragma omp parallel num_threads(nthreads)
         {
             int64_t nt = omp_get_num_threads(), t = omp_get_thread_num();
