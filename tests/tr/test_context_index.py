@@ -62,7 +62,8 @@ def test_matches_a_brute_force_scan_while_growing(seed):
     tokens = [rng.randrange(vocab) for _ in range(rng.choice([0, 1, 4, 40]))]  # a prompt, in one call
     idx.extend(tokens)
     for _ in range(80):
-        new = [rng.randrange(vocab) for _ in range(rng.randint(1, 3))]
+        # mostly a step's 1-3 tokens; now and then 16+ at once (indexed in bulk: context_index.BULK_TOKENS)
+        new = [rng.randrange(vocab) for _ in range(rng.choice([1, 2, 3, 1, 2, 3, 16, 21]))]
         idx.extend(new)
         tokens += new
         assert idx.lookup(6) == brute_force(tokens, min_n, 5, 6)

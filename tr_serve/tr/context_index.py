@@ -18,6 +18,11 @@ from __future__ import annotations
 
 from typing import Iterable
 
+# extends of at least this many tokens (a prompt) are indexed n by n with dict.update: 0.49 -> 0.27 ms
+# for a 400-token prompt with n-grams of 2-8; a step's 1-3 tokens are faster in the plain loop
+# (1.4-2.9 us against 10-12)
+BULK_TOKENS = 16
+
 
 class ContextIndex:
     def __init__(self, max_ngram: int = 8, min_ngram: int = 2):
@@ -34,11 +39,24 @@ class ContextIndex:
 
     def extend(self, tokens: Iterable[int]) -> None:
         toks = self.tokens
-        for t in tokens:
-            end = len(toks)  # t lands here: it continues every n-gram ending at end-1
-            for n in range(self.min_ngram, min(self.max_ngram, end) + 1):  # shorter ones are never looked up
-                self._next[tuple(toks[end - n : end])] = end
-            toks.append(int(t))
+        start = len(toks)
+        toks.extend(map(int, tokens))
+        end = len(toks)
+        if end - start >= BULK_TOKENS:
+            self._index_bulk(start, end)
+            return
+        for pos in range(start, end):  # the token at pos continues every n-gram ending at pos-1
+            for n in range(self.min_ngram, min(self.max_ngram, pos) + 1):  # shorter ones are never looked up
+                self._next[tuple(toks[pos - n : pos])] = pos
+
+    def _index_bulk(self, start: int, end: int) -> None:
+        """What the loop in :meth:`extend` does for positions start..end-1, one ``dict.update`` per n
+        (later positions overwrite earlier ones, as in the loop)."""
+        toks, nxt = self.tokens, self._next
+        for n in range(self.min_ngram, self.max_ngram + 1):
+            first = max(start, n)
+            if first < end:
+                nxt.update(zip(zip(*[toks[first - n + i : end - n + i] for i in range(n)]), range(first, end)))
 
     def lookup(self, max_tokens: int) -> tuple[int, list[int]]:
         """(match length, continuation of at most ``max_tokens``) for the longest suffix n-gram of
