@@ -57,6 +57,22 @@ def test_batch_invariant_and_strided_input():
     assert torch.equal(pg.linear(wide[:, ::2].contiguous(), p, 64), full)
 
 
+def assert_each_row_as_alone(w: torch.Tensor, x: torch.Tensor, counts, threads: int) -> torch.Tensor:
+    """With ``threads`` threads, the first m rows of ``x`` (for each m in ``counts``) give every row
+    its result alone, bit for bit; returns the rows' results alone."""
+    n = w.shape[0]
+    p = pg.pack(w)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        alone = torch.cat([pg.linear(x[r : r + 1], p, n) for r in range(x.shape[0])])
+        for m in counts:
+            assert torch.equal(pg.linear(x[:m], p, n), alone[:m]), m
+    finally:
+        torch.set_num_threads(before)
+    return alone
+
+
 @needs_kernel
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("n", [16, 32, 48, 64, 80, 96, 112, 128, 208, 1000])
@@ -68,15 +84,7 @@ def test_up_to_sixteen_rows_give_each_rows_result_alone(n, threads):
     thread."""
     g = torch.Generator().manual_seed(n + 3)
     w, x = torch.randn(n, 300, generator=g), torch.randn(16, 300, generator=g)
-    p = pg.pack(w)
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        alone = torch.cat([pg.linear(x[r : r + 1], p, n) for r in range(16)])
-        for m in range(2, 17):
-            assert torch.equal(pg.linear(x[:m], p, n), alone[:m]), m
-    finally:
-        torch.set_num_threads(before)
+    alone = assert_each_row_as_alone(w, x, range(2, 17), threads)
     torch.testing.assert_close(alone, F.linear(x, w), rtol=1e-4, atol=1e-4)
 
 
@@ -90,15 +98,7 @@ def test_rows_past_sixteen_give_each_rows_result_alone(n, threads):
     remainder of rows and panels."""
     g = torch.Generator().manual_seed(n + 7)
     w, x = torch.randn(n, 136, generator=g), torch.randn(41, 136, generator=g)
-    p = pg.pack(w)
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        alone = torch.cat([pg.linear(x[r : r + 1], p, n) for r in range(41)])
-        for m in (17, 18, 19, 20, 21, 24, 25, 32, 33, 36, 41):
-            assert torch.equal(pg.linear(x[:m], p, n), alone[:m]), m
-    finally:
-        torch.set_num_threads(before)
+    alone = assert_each_row_as_alone(w, x, (17, 18, 19, 20, 21, 24, 25, 32, 33, 36, 41), threads)
     torch.testing.assert_close(alone, F.linear(x, w), rtol=1e-4, atol=1e-4)
 
 
@@ -138,14 +138,5 @@ def test_rows_past_128_run_in_ranges_and_give_each_rows_result_alone(threads):
     """Past 128 rows a group of panels takes its rows 128 at a time (its scratch lives on the
     thread's stack): the rows of the second range are still each row's own result."""
     g = torch.Generator().manual_seed(11)
-    n = 80
-    w, x = torch.randn(n, 136, generator=g), torch.randn(150, 136, generator=g)
-    p = pg.pack(w)
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        alone = torch.cat([pg.linear(x[r : r + 1], p, n) for r in range(150)])
-        for m in (128, 129, 137, 150):
-            assert torch.equal(pg.linear(x[:m], p, n), alone[:m]), m
-    finally:
-        torch.set_num_threads(before)
+    w, x = torch.randn(80, 136, generator=g), torch.randn(150, 136, generator=g)
+    assert_each_row_as_alone(w, x, (128, 129, 137, 150), threads)
