@@ -231,7 +231,7 @@ int tr_panel_gemm(const float *x, int64_t ldx, const float *P, float *y, int64_t
             int64_t nt = omp_get_num_threads(), t = omp_get_thread_num();
             int64_t b0 = NB * t / nt, b1 = NB * (t + 1) / nt, b = b0;
             for (; b + NP <= b1; b += NP) G(xt, P + b * K * 16, K, y + b * 16, ldy);
-            if (NP > 2) for (; b + 2 <= b1; b += 2)
+            for (; b + 2 <= b1; b += 2)  /* NP is 3 or 4 here: the tail's pairs, then singles */
                 (M <= 8 ? PAIRS[M] : PAIRS_Y[M])(xt, P + b * K * 16, K, y + b * 16, ldy);
             for (; b < b1; b++) SINGLES[M](xt, P + b * K * 16, K, y + b * 16, ldy);
         }
