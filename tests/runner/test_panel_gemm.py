@@ -55,6 +55,13 @@ def test_batch_invariant_and_strided_input():
     wide = torch.randn(16, 400, generator=g)
     wide[:, ::2] = x  # a strided view with row stride 400
     assert torch.equal(pg.linear(wide[:, ::2].contiguous(), p, 64), full)
+    # rows with a stride past K, straight into the kernel (the decoder layers' C loop passes row strides)
+    wide[:, :200] = x
+    for m in (1, 8, 16):
+        y = torch.empty(m, 64)
+        assert pg.load().tr_panel_gemm(wide.data_ptr(), 400, p.data_ptr(), y.data_ptr(), 64, m, 200, 4,
+                                       torch.get_num_threads()) == 0
+        assert torch.equal(y, full[:m])
 
 
 def assert_each_row_as_alone(w: torch.Tensor, x: torch.Tensor, counts, threads: int) -> torch.Tensor:

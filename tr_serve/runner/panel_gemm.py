@@ -241,8 +241,8 @@ int tr_panel_gemm(const float *x, int64_t ldx, const float *P, float *y, int64_t
         #pragma omp parallel num_threads(nthreads)
         {
             int64_t nt = omp_get_num_threads(), t = omp_get_thread_num();
-        transpose_x(x, ldx, xt, M, K, K * t / nt, K * (t + 1) / nt);  /* each thread a share of k */
-        #pragma omp barrier
+            transpose_x(x, ldx, xt, M, K, K * t / nt, K * (t + 1) / nt);  /* each thread a share of k */
+            #pragma omp barrier
             int64_t b0 = NB * t / nt, b1 = NB * (t + 1) / nt, b = b0;
             for (; b + NP <= b1; b += NP) G(xt, P + b * K * 16, K, y + b * 16, ldy);
             for (; b + 2 <= b1; b += 2)  /* NP is 3 or 4 here: the tail's pairs, then singles */
@@ -258,8 +258,8 @@ int tr_panel_gemm(const float *x, int64_t ldx, const float *P, float *y, int64_t
         #pragma omp parallel num_threads(nthreads)
         {
             int64_t nt = omp_get_num_threads(), t = omp_get_thread_num();
-        transpose_x(x, ldx, xt, M, K, K * t / nt, K * (t + 1) / nt);  /* each thread a share of k */
-        #pragma omp barrier
+            transpose_x(x, ldx, xt, M, K, K * t / nt, K * (t + 1) / nt);  /* each thread a share of k */
+            #pragma omp barrier
             int64_t b0 = NB * t / nt, b1 = NB * (t + 1) / nt, b = b0;
             for (; b + SPLIT_PANELS <= b1; b += SPLIT_PANELS)
                 split_group(xt, P + b * K * 16, K, y + b * 16, ldy, M, SPLIT_PANELS);

@@ -381,26 +381,28 @@ def choose_plan(template_rates: list[float], chains: list[tuple[list[int], list[
     groups: dict[int, tuple[list[tuple[float, int, int, int]], list[int]]] = {}
     for r, frontier in enumerate(frontiers):
         groups.setdefault(id(frontier), (frontier, []))[1].append(r)
-    picks = [(_price_picks(frontier), len(rs)) for frontier, rs in groups.values()]
+    counts = [len(rs) for _, rs in groups.values()]
     members = [rs for _, rs in groups.values()]
     # a plan is one option per group; a price picks one plan, often the same as its neighbour's
+    plans = list(zip(*[_price_picks(frontier) for frontier, _ in groups.values()]))  # plans[p]: at _PRICES[p]
     scored: dict[tuple, tuple[float, int]] = {}  # plan -> (expected tokens/s, its nodes and caps)
-    for p in range(len(_PRICES)):
-        key = tuple(per_price[p] for per_price, _ in picks)
+    for key in plans:
         if key in scored:
             continue
         gain, cost, widest, size = 0.0, 0, 0, 0
-        for (g, c, n, cap), (_, count) in zip(key, picks):
+        for (g, c, n, cap), count in zip(key, counts):
             gain += g * count
             cost += c * count
             size += (n + cap) * count
             if c > widest:
                 widest = c
         scored[key] = ((rows + gain) / latency(rows, rows + cost, 1 + widest), size)
-    ranked = sorted(scored.items(), key=lambda kv: (kv[1][0], -kv[1][1]), reverse=True)
-    pick = ranked[1] if explore and len(ranked) > 1 else ranked[0]
+    if explore and len(scored) > 1:
+        pick = sorted(scored.items(), key=lambda kv: (kv[1][0], -kv[1][1]), reverse=True)[1]
+    else:  # the best; the first of equals, as the stable sort above would rank it
+        pick = max(scored.items(), key=lambda kv: (kv[1][0], -kv[1][1]))
     if not explore and plain is not None:
-        plain_score = scored[tuple(per_price[-1] for per_price, _ in picks)][0]  # the infinite price's plan
+        plain_score = scored[plans[-1]][0]  # the infinite price's plan
         if pick[1][0] < plain_score * (1 + DRAFT_MARGIN):
             return list(plain)  # within the estimates' error of plain decoding: not worth the risk
     plan: list[tuple[int, int]] = [(0, 0)] * rows
