@@ -228,7 +228,10 @@ def test_large_bodies_are_refused_fast_while_another_stream_flows(app):
           f"2 prompts of {MAX_PROMPT_CHARS - 32} chars tokenized and refused in {max(s for _, s in tokenized):.3f} s; "
           f"largest gap of the other stream meanwhile {gap:.3f} s ({len(during)} gaps over "
           f"{window_end - window_start:.2f} s), over its whole run {max(g for _, g in gaps):.3f} s")
-    assert max(s for _, s in sized) < 1.0 and chunked_s < 1.0 and chars_s < 1.0
+    # refused before any tokenizing: tokenizing one such body alone takes 2.7 s here. The bodies still
+    # cross the loopback first (alone 0.04-0.05 s; 1.2-1.5 s measured while the other test worker
+    # loaded both cores), so the bound sits between the two
+    assert max(s for _, s in sized) < 2.0 and chunked_s < 2.0 and chars_s < 1.0
     assert gap < 2.0
 
 
