@@ -397,10 +397,13 @@ def choose_plan(template_rates: list[float], chains: list[tuple[list[int], list[
             if c > widest:
                 widest = c
         scored[key] = ((rows + gain) / latency(rows, rows + cost, 1 + widest), size)
+    def rank(kv):  # the most expected tokens/s, then the fewest nodes and caps
+        return kv[1][0], -kv[1][1]
+
     if explore and len(scored) > 1:
-        pick = sorted(scored.items(), key=lambda kv: (kv[1][0], -kv[1][1]), reverse=True)[1]
-    else:  # the best; the first of equals, as the stable sort above would rank it
-        pick = max(scored.items(), key=lambda kv: (kv[1][0], -kv[1][1]))
+        pick = sorted(scored.items(), key=rank, reverse=True)[1]  # the runner-up
+    else:  # the best; the first of equals, as the stable sort would rank it
+        pick = max(scored.items(), key=rank)
     if not explore and plain is not None:
         plain_score = scored[plans[-1]][0]  # the infinite price's plan
         if pick[1][0] < plain_score * (1 + DRAFT_MARGIN):
