@@ -217,8 +217,8 @@ static __thread float *xt_buf;  /* x transposed per chunk of 16 rows, [chunks][K
 static __thread int64_t xt_cap;
 
 /* y[M][ldy] = x[M][K] (row stride ldx) . panels P[NB][K][16]; ldy >= NB*16; returns 0 on success.
-   x is first transposed into chunks of 16 rows (each thread a share of k, then a barrier). Each thread
-   takes an equal run of panels. */
+   One parallel region: x is first transposed into chunks of 16 rows (each thread a share of k, then a
+   barrier), then each thread takes an equal run of panels. */
 int tr_panel_gemm(const float *x, int64_t ldx, const float *P, float *y, int64_t ldy,
                   int64_t M, int64_t K, int64_t NB, int nthreads) {
     int64_t chunks = (M + 15) / 16;
@@ -229,38 +229,31 @@ int tr_panel_gemm(const float *x, int64_t ldx, const float *P, float *y, int64_t
         if (!xt_buf) return 1;
     }
     float *xt = xt_buf;
-    if (M <= 9) {
-        /* NP panels at a time (NP weight streams in flight, NP chains of multiply-adds
-           per row), as many as the registers hold: 4 up to 6 rows, 3 up to 9 (measured,
-           SmolLM2-135M's linears and LM head, 2 threads, medians of 13: 5 rows 30.5 -> 29.9 ms,
-           6 rows 30.6 -> 30.2 with 4 panels instead of 3; 9 rows 35.4 -> 33.0 with 3 instead of 2;
-           7 rows with 4 were no faster: their totals and weights fill the registers).
-           A run's last few panels go in smaller groups. */
-        group_fn G = M <= 4 ? QUADS[M] : M <= 6 ? QUADS_Y[M] : TRIPLES_Y[M];
-        int64_t NP = M <= 6 ? 4 : 3;
-        #pragma omp parallel num_threads(nthreads)
-        {
-            int64_t nt = omp_get_num_threads(), t = omp_get_thread_num();
-            transpose_x(x, ldx, xt, M, K, K * t / nt, K * (t + 1) / nt);  /* each thread a share of k */
-            #pragma omp barrier
-            int64_t b0 = NB * t / nt, b1 = NB * (t + 1) / nt, b = b0;
+    #pragma omp parallel num_threads(nthreads)
+    {
+        int64_t nt = omp_get_num_threads(), t = omp_get_thread_num();
+        transpose_x(x, ldx, xt, M, K, K * t / nt, K * (t + 1) / nt);  /* each thread a share of k */
+        #pragma omp barrier
+        int64_t b0 = NB * t / nt, b1 = NB * (t + 1) / nt, b = b0;  /* each thread an equal run of panels */
+        if (M <= 9) {
+            /* NP panels at a time (NP weight streams in flight, NP chains of multiply-adds
+               per row), as many as the registers hold: 4 up to 6 rows, 3 up to 9 (measured,
+               SmolLM2-135M's linears and LM head, 2 threads, medians of 13: 5 rows 30.5 -> 29.9 ms,
+               6 rows 30.6 -> 30.2 with 4 panels instead of 3; 9 rows 35.4 -> 33.0 with 3 instead of 2;
+               7 rows with 4 were no faster: their totals and weights fill the registers).
+               A run's last few panels go in smaller groups. */
+            group_fn G = M <= 4 ? QUADS[M] : M <= 6 ? QUADS_Y[M] : TRIPLES_Y[M];
+            int64_t NP = M <= 6 ? 4 : 3;
             for (; b + NP <= b1; b += NP) G(xt, P + b * K * 16, K, y + b * 16, ldy);
             for (; b + 2 <= b1; b += 2)  /* NP is 3 or 4 here: the tail's pairs, then singles */
                 (M <= 8 ? PAIRS[M] : PAIRS_Y[M])(xt, P + b * K * 16, K, y + b * 16, ldy);
             for (; b < b1; b++) SINGLES[M](xt, P + b * K * 16, K, y + b * 16, ldy);
-        }
-    } else {
-        /* 10 rows and more: 3 panels at a time, rows in blocks of 8 per sub-block of 32 k
-           (split_group). SmolLM2-135M's linears and LM head, 2 threads, medians of 9, against blocks
-           of 8 rows over whole 128-k blocks (session 26, for 13 rows and more) and, for 10-12 rows,
-           2 panels at a time with all rows in registers: 10 rows 24.1 -> 23.2 ms, 12 rows 25.1 ->
-           24.1, 13 rows 26.3 -> 24.8, 16 rows 28.3 -> 26.8 (9 rows were no faster this way) */
-        #pragma omp parallel num_threads(nthreads)
-        {
-            int64_t nt = omp_get_num_threads(), t = omp_get_thread_num();
-            transpose_x(x, ldx, xt, M, K, K * t / nt, K * (t + 1) / nt);  /* each thread a share of k */
-            #pragma omp barrier
-            int64_t b0 = NB * t / nt, b1 = NB * (t + 1) / nt, b = b0;
+        } else {
+            /* 10 rows and more: 3 panels at a time, rows in blocks of 8 per sub-block of 32 k
+               (split_group). SmolLM2-135M's linears and LM head, 2 threads, medians of 9, against blocks
+               of 8 rows over whole 128-k blocks (session 26, for 13 rows and more) and, for 10-12 rows,
+               2 panels at a time with all rows in registers: 10 rows 24.1 -> 23.2 ms, 12 rows 25.1 ->
+               24.1, 13 rows 26.3 -> 24.8, 16 rows 28.3 -> 26.8 (9 rows were no faster this way) */
             for (; b + SPLIT_PANELS <= b1; b += SPLIT_PANELS)
                 split_group(xt, P + b * K * 16, K, y + b * 16, ldy, M, SPLIT_PANELS);
             if (b < b1) split_group(xt, P + b * K * 16, K, y + b * 16, ldy, M, (int)(b1 - b));
