@@ -381,8 +381,8 @@ def choose_plan(template_rates: list[float], chains: list[tuple[list[int], list[
     groups: dict[int, tuple[list[tuple[float, int, int, int]], list[int]]] = {}
     for r, frontier in enumerate(frontiers):
         groups.setdefault(id(frontier), (frontier, []))[1].append(r)
-    counts = [len(rs) for _, rs in groups.values()]
     members = [rs for _, rs in groups.values()]
+    counts = [len(rs) for rs in members]
     # a plan is one option per group; a price picks one plan, often the same as its neighbour's
     plans = list(zip(*[_price_picks(frontier) for frontier, _ in groups.values()]))  # plans[p]: at _PRICES[p]
     scored: dict[tuple, tuple[float, int]] = {}  # plan -> (expected tokens/s, its nodes and caps)
