@@ -67,10 +67,19 @@ int tr_add_rms_norm(float *h, int64_t hs, const float *delta, int64_t ds, float 
     return 0;
 }
 
-/* rotate x [D] by cos/sin [D] as x * cos + rotate_half(x) * sin, into y (may be x) */
+/* rotate x [D] by cos/sin [D] as x * cos + rotate_half(x) * sin, into y (may be x); 16 pairs at a time
+   where the halves allow (the same products and sums, so the same floats) */
 static inline void rotate(const float *x, float *y, const float *c, const float *s, int64_t D) {
     const int64_t H = D / 2;
-    for (int64_t i = 0; i < H; i++) {
+    int64_t i0 = 0;
+    for (; i0 + 16 <= H; i0 += 16) {
+        v16 a = load16(x + i0), b = load16(x + i0 + H);
+        v16 lo = a * load16(c + i0) + (-b) * load16(s + i0);
+        v16 hi = b * load16(c + i0 + H) + a * load16(s + i0 + H);
+        store16(y + i0, lo);
+        store16(y + i0 + H, hi);
+    }
+    for (int64_t i = i0; i < H; i++) {
         float a = x[i], b = x[i + H];
         y[i] = a * c[i] + (-b) * s[i];
         y[i + H] = b * c[i + H] + a * s[i + H];
@@ -84,7 +93,7 @@ int tr_rope_store(float *q, int64_t qs, const float *k, int64_t ks, const float 
                   const float *cos, const float *sin, int64_t t, int64_t NQ, int64_t NK, int64_t D,
                   float *keys, float *values, int64_t L, const int64_t *rows, const int64_t *slots, int nthreads) {
     if (D % 2) return 2;
-    #pragma omp parallel for num_threads(nthreads) if (t >= 32) schedule(static)
+    #pragma omp parallel for num_threads(nthreads) if (t >= 16) schedule(static)
     for (int64_t j = 0; j < t; j++) {
         const float *c = cos + j * D, *s = sin + j * D;
         for (int64_t h = 0; h < NQ; h++) rotate(q + j * qs + h * D, q + j * qs + h * D, c, s, D);
@@ -97,10 +106,12 @@ int tr_rope_store(float *q, int64_t qs, const float *k, int64_t ks, const float 
     return 0;
 }
 
-/* out [t, I] = silu(gate) * up, silu(x) = x / (1 + exp(-x)); gate/up rows gs/us apart */
+/* out [t, I] = silu(gate) * up, silu(x) = x / (1 + exp(-x)); gate/up rows gs/us apart. Rows split
+   between the threads from 2 rows (rope_store from 16, the norm from 32): measured per call, SmolLM2-135M's
+   sizes, 2 threads, 16 rows: silu 13.2 -> 8.0 us, rope_store 8.9 -> 6.9 us; the norm gained nothing. */
 int tr_silu_mul(const float *g, int64_t gs, const float *u, int64_t us, float *out, int64_t t, int64_t I,
                 int nthreads) {
-    #pragma omp parallel for num_threads(nthreads) if (t >= 32) schedule(static)
+    #pragma omp parallel for num_threads(nthreads) if (t >= 2) schedule(static)
     for (int64_t r = 0; r < t; r++) {
         const float *a = g + r * gs, *b = u + r * us;
         float *o = out + r * I;

@@ -101,36 +101,15 @@ static inline __attribute__((always_inline)) v16 block16(const v16 *qh, const fl
 static __thread float *sbuf;
 static __thread int64_t scap;
 
-/* one query token, the NH heads that share key/value head g; DV = head_dim / 16 */
-static inline __attribute__((always_inline)) int one(
-        const float *q, float *out, const float *K, const float *V, const int64_t P, const uint8_t *vis,
-        const int64_t W, const float scale, const int NH, const int DV) {
-    const int64_t D = 16 * DV, L = P + W, Lp = (L + 15) / 16 * 16;
-    if (NH * Lp > scap) {
-        free(sbuf);
-        sbuf = malloc(sizeof(float) * NH * Lp);
-        scap = sbuf ? NH * Lp : 0;
-        if (!sbuf) return 1;
-    }
-    float *s = sbuf;
-    v16 qv[NH][DV];
-    for (int h = 0; h < NH; h++) for (int c = 0; c < DV; c++) qv[h][c] = load16(q + h * D + 16 * c);
-    const int64_t L16 = L / 16 * 16;
-    for (int64_t j0 = 0; j0 < L16; j0 += 16)  /* 16 keys at a time, sums transposed into one vector */
-        for (int h = 0; h < NH; h++) store16(s + h * Lp + j0, block16(qv[h], K + j0 * D, DV) * scale);
-    for (int64_t j = L16; j < L; j++) {
-        const float *kj = K + j * D;
-        v16 acc[NH];
-        for (int h = 0; h < NH; h++) acc[h] = (v16){0};
-        for (int c = 0; c < DV; c++) {
-            v16 kv = load16(kj + 16 * c);
-            for (int h = 0; h < NH; h++) acc[h] += qv[h][c] * kv;
-        }
-        for (int h = 0; h < NH; h++) s[h * Lp + j] = hsum(acc[h]) * scale;
-    }
+/* one query token's softmax weights over the slots it sees, for the NH heads that share key/value head
+   g: s[h * Lp + j] = exp(scale * q_h . k_j - max_h), 0 for a new slot it does not see (vis[m] == 0);
+   total[h] = their sum. K [L][D]; DV = D / 16. Which other queries share the pass does not matter:
+   every sum is taken in the same order. */
+static inline __attribute__((always_inline)) void normalise(float *s, const int64_t P, const uint8_t *vis,
+        const int64_t W, const int64_t Lp, float *total, const int NH) {
+    const int64_t L = P + W;
     for (int64_t m = 0; m < W; m++)
         if (!vis[m]) for (int h = 0; h < NH; h++) s[h * Lp + P + m] = -INFINITY;
-    float total[NH];
     for (int h = 0; h < NH; h++) {
         float *sh = s + h * Lp;
         for (int64_t j = L; j < Lp; j++) sh[j] = -INFINITY;
@@ -146,20 +125,92 @@ static inline __attribute__((always_inline)) int one(
         }
         total[h] = hsum(sum);
     }
-    v16 acc[NH][DV];
-    for (int h = 0; h < NH; h++) for (int c = 0; c < DV; c++) acc[h][c] = (v16){0};
-    for (int64_t j = 0; j < L; j++) {
-        if (j >= P && !vis[j - P]) continue;
-        const float *vj = V + j * D;
-        for (int c = 0; c < DV; c++) {
-            v16 vv = load16(vj + 16 * c);
-            for (int h = 0; h < NH; h++) acc[h][c] += s[h * Lp + j] * vv;
+}
+
+/* the scaled dot products of NQ query tokens (q + i * qs) with the keys j < L, into s + i * NH * Lp:
+   a block of 16 keys is read once for all of them (from L1 for all but the first) */
+static inline __attribute__((always_inline)) void dots(const float *q, const int64_t qs, float *s, const float *K,
+        const int64_t L, const int64_t Lp, const float scale, const int NH, const int DV, const int NQ) {
+    const int64_t D = 16 * DV, L16 = L / 16 * 16;
+    for (int64_t j0 = 0; j0 < L16; j0 += 16)  /* 16 keys at a time, sums transposed into one vector */
+        for (int i = 0; i < NQ; i++) {
+            v16 qv[NH][DV];
+            for (int h = 0; h < NH; h++) for (int c = 0; c < DV; c++) qv[h][c] = load16(q + i * qs + h * D + 16 * c);
+            for (int h = 0; h < NH; h++)
+                store16(s + (i * NH + h) * Lp + j0, block16(qv[h], K + j0 * D, DV) * scale);
+        }
+    for (int i = 0; i < NQ; i++) {
+        v16 qv[NH][DV];
+        for (int h = 0; h < NH; h++) for (int c = 0; c < DV; c++) qv[h][c] = load16(q + i * qs + h * D + 16 * c);
+        for (int64_t j = L16; j < L; j++) {
+            const float *kj = K + j * D;
+            v16 acc[NH];
+            for (int h = 0; h < NH; h++) acc[h] = (v16){0};
+            for (int c = 0; c < DV; c++) {
+                v16 kv = load16(kj + 16 * c);
+                for (int h = 0; h < NH; h++) acc[h] += qv[h][c] * kv;
+            }
+            for (int h = 0; h < NH; h++) s[(i * NH + h) * Lp + j] = hsum(acc[h]) * scale;
         }
     }
-    for (int h = 0; h < NH; h++)
-        for (int c = 0; c < DV; c++) store16(out + h * D + 16 * c, acc[h][c] / total[h]);
+}
+
+/* acc[i][h] += s_i,h[j] * v_j over the slots j in [j0, j1) that all NQ queries see, in slot order */
+#define WEIGHTED_SHARED(NQ)                                                                      \
+    for (int64_t j = j0; j < j1; j++) {                                                          \
+        const float *vj = V + j * D;                                                             \
+        for (int c = 0; c < DV; c++) {                                                           \
+            v16 vv = load16(vj + 16 * c);                                                        \
+            for (int i = 0; i < NQ; i++)                                                         \
+                for (int h = 0; h < NH; h++) acc[i][h][c] += s[(i * NH + h) * Lp + j] * vv;      \
+        }                                                                                        \
+    }
+
+/* NQ query tokens of one cache row (same prefix P, consecutive in q and out, qs floats apart), the NH
+   heads that share key/value head g: attention over the P prefix slots and the new slots each sees.
+   K/V [L][D]. Each token's sums run in the same order as when it is alone (NQ = 1), so its result is
+   the same bit for bit; NQ = 2 reads each key and value once for both (measured here, SmolLM2-135M's
+   shapes, 30 layers, 2 threads: 16 query tokens 1.90 -> 1.77 ms at context 256, 7.50 -> 6.88 ms at
+   1024; 4 tokens 2.53 -> 2.23 ms at 1024; one token unchanged). */
+static inline __attribute__((always_inline)) int several(
+        const float *q, float *out, const int64_t qs, const float *K, const float *V, const int64_t P,
+        const uint8_t *vis, const int64_t W, const float scale, const int NH, const int DV, const int NQ) {
+    const int64_t D = 16 * DV, L = P + W, Lp = (L + 15) / 16 * 16;
+    if (NQ * NH * Lp > scap) {
+        free(sbuf);
+        sbuf = malloc(sizeof(float) * NQ * NH * Lp);
+        scap = sbuf ? NQ * NH * Lp : 0;
+        if (!sbuf) return 1;
+    }
+    float *s = sbuf;
+    float total[NQ][NH];
+    dots(q, qs, s, K, L, Lp, scale, NH, DV, NQ);
+    for (int i = 0; i < NQ; i++) normalise(s + i * NH * Lp, P, vis + i * W, W, Lp, total[i], NH);
+    v16 acc[NQ][NH][DV];
+    for (int i = 0; i < NQ; i++) for (int h = 0; h < NH; h++) for (int c = 0; c < DV; c++) acc[i][h][c] = (v16){0};
+    {
+        const int64_t j0 = 0, j1 = P;  /* the prefix: every query sees it */
+        WEIGHTED_SHARED(NQ)
+    }
+    for (int64_t m = 0; m < W; m++) {  /* the new slots: each query those it sees */
+        const float *vj = V + (P + m) * D;
+        for (int i = 0; i < NQ; i++) {
+            if (!vis[i * W + m]) continue;
+            for (int c = 0; c < DV; c++) {
+                v16 vv = load16(vj + 16 * c);
+                for (int h = 0; h < NH; h++) acc[i][h][c] += s[(i * NH + h) * Lp + P + m] * vv;
+            }
+        }
+    }
+    for (int i = 0; i < NQ; i++)
+        for (int h = 0; h < NH; h++)
+            for (int c = 0; c < DV; c++) store16(out + i * qs + h * D + 16 * c, acc[i][h][c] / total[i][h]);
     return 0;
 }
+
+/* the shapes compiled with constant sizes (the loops over heads, lanes and queries unroll into registers);
+   PAIRED: two query tokens per pass fit the registers (2 x NH x DV accumulators of the weighted sum) */
+#define SHAPES(X) X(1, 4, 1) X(2, 4, 1) X(3, 4, 1) X(4, 4, 0) X(8, 4, 0) X(1, 8, 1) X(2, 8, 0) X(4, 8, 0) X(8, 8, 0)
 
 /* q, out: [T][H][D]; K/V of cache row r, key/value head g at kb + r * row_stride + g * head_stride,
    [slots][D]; query i sees slots < prefix[i] and prefix[i] + m where vis[i * W + m].
@@ -170,33 +221,41 @@ int tr_tree_attention(const float *q, float *out, const float *kb, const float *
     if (G <= 0 || H % G != 0 || D % 16 != 0) return 2;
     const int NH = (int)(H / G), DV = (int)(D / 16);
     const int kind = NH * 100 + DV;
+    int paired = 0;
     switch (kind) {
-        case 104: case 204: case 304: case 404: case 804: case 108: case 208: case 408: case 808: break;
+#define PAIRED_OF(nh, dv, pair) case nh * 100 + dv: paired = pair; break;
+        SHAPES(PAIRED_OF)
         default: if (NH > 16 || DV > 16) return 2;
+    }
+    /* units: a pair of consecutive query tokens of one row (same cache row and prefix) where the shape
+       is paired, else one token */
+    int64_t *unit = malloc(sizeof(int64_t) * (T > 0 ? T : 1));
+    if (!unit) return 1;
+    int64_t U = 0;
+    for (int64_t i = 0; i < T; ) {
+        unit[U++] = i;
+        i += (paired && i + 1 < T && rows[i + 1] == rows[i] && prefix[i + 1] == prefix[i]) ? 2 : 1;
     }
     int err = 0;
     #pragma omp parallel for num_threads(nthreads) schedule(static) reduction(|: err)
-    for (int64_t task = 0; task < T * G; task++) {
-        const int64_t g = task / T, i = task % T;  /* a thread walks the queries of one key/value head: its keys stay in cache */
+    for (int64_t task = 0; task < U * G; task++) {
+        const int64_t g = task / U, u = task % U;  /* a thread walks the units of one key/value head: its keys stay in cache */
+        const int64_t i = unit[u], n = (u + 1 < U ? unit[u + 1] : T) - i;
         const float *qi = q + (i * H + g * NH) * D;
         float *oi = out + (i * H + g * NH) * D;
         const float *K = kb + rows[i] * row_stride + g * head_stride;
         const float *V = vb + rows[i] * row_stride + g * head_stride;
         const uint8_t *vi = vis + i * W;
         const int64_t P = prefix[i];
-        switch (kind) {  /* constant shapes: the loops over heads and lanes unroll into registers */
-            case 104: err |= one(qi, oi, K, V, P, vi, W, scale, 1, 4); break;
-            case 204: err |= one(qi, oi, K, V, P, vi, W, scale, 2, 4); break;
-            case 304: err |= one(qi, oi, K, V, P, vi, W, scale, 3, 4); break;
-            case 404: err |= one(qi, oi, K, V, P, vi, W, scale, 4, 4); break;
-            case 804: err |= one(qi, oi, K, V, P, vi, W, scale, 8, 4); break;
-            case 108: err |= one(qi, oi, K, V, P, vi, W, scale, 1, 8); break;
-            case 208: err |= one(qi, oi, K, V, P, vi, W, scale, 2, 8); break;
-            case 408: err |= one(qi, oi, K, V, P, vi, W, scale, 4, 8); break;
-            case 808: err |= one(qi, oi, K, V, P, vi, W, scale, 8, 8); break;
-            default: err |= one(qi, oi, K, V, P, vi, W, scale, NH, DV);
+        switch (kind * 2 + (int)n) {
+#define CASES_OF(nh, dv, pair)                                                                      \
+            case (nh * 100 + dv) * 2 + 1: err |= several(qi, oi, H * D, K, V, P, vi, W, scale, nh, dv, 1); break; \
+            case (nh * 100 + dv) * 2 + 2: err |= several(qi, oi, H * D, K, V, P, vi, W, scale, nh, dv, pair ? 2 : 1); break;
+            SHAPES(CASES_OF)
+            default: err |= several(qi, oi, H * D, K, V, P, vi, W, scale, NH, DV, 1);
         }
     }
+    free(unit);
     return err;
 }
 """
