@@ -50,6 +50,20 @@ def test_a_tokens_result_does_not_depend_on_the_rest_of_the_step():
 
 
 @needs_kernel
+@pytest.mark.parametrize("heads,kv_heads,d", [(9, 3, 64), (4, 2, 64), (3, 3, 128), (8, 8, 16)])
+def test_each_token_alone_gets_what_it_gets_in_a_pair(heads, kv_heads, d):
+    """The kernel takes two tokens of a row per pass where the shape allows (the first three shapes
+    here); every token, whichever pair it falls in, gets exactly what it gets when sent alone with
+    the same visible slots."""
+    g = torch.Generator().manual_seed(heads * d)
+    q, keys, values, queries, _ = _step(g, heads, kv_heads, d, [5, 1, 6], [4, 0, 2], [40, 7, 16])
+    full = ta.attend(q, keys, values, queries, d ** -0.5)
+    for i in range(q.shape[0]):
+        alone = ta.StepQueries(queries.rows[i : i + 1], queries.prefix[i : i + 1], queries.visible[i : i + 1])
+        assert torch.equal(ta.attend(q[i : i + 1], keys, values, alone, d ** -0.5), full[i : i + 1]), i
+
+
+@needs_kernel
 def test_masked_slots_do_not_count():
     """A query that does not see a new slot gets the same result whatever that slot holds."""
     g = torch.Generator().manual_seed(2)

@@ -8,7 +8,8 @@ query tokens as they are (each with its cache row, its row's prefix length and w
 step's new slots it sees: its tree ancestors and itself), so one call per layer serves every row
 and width, with no 4D mask and no padding.
 
-Per (query token, key/value head) it computes, for the heads that share that key/value head, the
+Per (query token, key/value head) it computes, for the heads that share that key/value head (two
+tokens of a row at once where the registers hold both, each key and value read once for the pair), the
 scaled dot products over the visible slots, a softmax (max subtracted, a vectorised exp of the
 Cephes polynomial, ~1 ulp), and the weighted sum of values. The order of every sum is fixed by
 the code, not by the number of queries or rows in the call: a token's result is bit-identical
@@ -155,17 +156,6 @@ static inline __attribute__((always_inline)) void dots(const float *q, const int
     }
 }
 
-/* acc[i][h] += s_i,h[j] * v_j over the slots j in [j0, j1) that all NQ queries see, in slot order */
-#define WEIGHTED_SHARED(NQ)                                                                      \
-    for (int64_t j = j0; j < j1; j++) {                                                          \
-        const float *vj = V + j * D;                                                             \
-        for (int c = 0; c < DV; c++) {                                                           \
-            v16 vv = load16(vj + 16 * c);                                                        \
-            for (int i = 0; i < NQ; i++)                                                         \
-                for (int h = 0; h < NH; h++) acc[i][h][c] += s[(i * NH + h) * Lp + j] * vv;      \
-        }                                                                                        \
-    }
-
 /* NQ query tokens of one cache row (same prefix P, consecutive in q and out, qs floats apart), the NH
    heads that share key/value head g: attention over the P prefix slots and the new slots each sees.
    K/V [L][D]. Each token's sums run in the same order as when it is alone (NQ = 1), so its result is
@@ -188,9 +178,13 @@ static inline __attribute__((always_inline)) int several(
     for (int i = 0; i < NQ; i++) normalise(s + i * NH * Lp, P, vis + i * W, W, Lp, total[i], NH);
     v16 acc[NQ][NH][DV];
     for (int i = 0; i < NQ; i++) for (int h = 0; h < NH; h++) for (int c = 0; c < DV; c++) acc[i][h][c] = (v16){0};
-    {
-        const int64_t j0 = 0, j1 = P;  /* the prefix: every query sees it */
-        WEIGHTED_SHARED(NQ)
+    for (int64_t j = 0; j < P; j++) {  /* the prefix: every query sees it */
+        const float *vj = V + j * D;
+        for (int c = 0; c < DV; c++) {
+            v16 vv = load16(vj + 16 * c);
+            for (int i = 0; i < NQ; i++)
+                for (int h = 0; h < NH; h++) acc[i][h][c] += s[(i * NH + h) * Lp + j] * vv;
+        }
     }
     for (int64_t m = 0; m < W; m++) {  /* the new slots: each query those it sees */
         const float *vj = V + (P + m) * D;
