@@ -104,8 +104,9 @@ static __thread int64_t scap;
 
 /* one query token's softmax weights over the slots it sees, for the NH heads that share key/value head
    g: s[h * Lp + j] = exp(scale * q_h . k_j - max_h), 0 for a new slot it does not see (vis[m] == 0);
-   total[h] = their sum. K [L][D]; DV = D / 16. Which other queries share the pass does not matter:
-   every sum is taken in the same order. */
+   total[h] = their sum. s holds the scaled dot products of the P prefix slots and the W new slots
+   (slots P + W to Lp are padding). Which other queries share the pass does not matter: every sum is
+   taken in the same order. */
 static inline __attribute__((always_inline)) void normalise(float *s, const int64_t P, const uint8_t *vis,
         const int64_t W, const int64_t Lp, float *total, const int NH) {
     const int64_t L = P + W;
@@ -202,9 +203,11 @@ static inline __attribute__((always_inline)) int several(
     return 0;
 }
 
-/* the shapes compiled with constant sizes (the loops over heads, lanes and queries unroll into registers);
-   PAIRED: two query tokens per pass fit the registers (2 x NH x DV accumulators of the weighted sum) */
-#define SHAPES(X) X(1, 4, 1) X(2, 4, 1) X(3, 4, 1) X(4, 4, 0) X(8, 4, 0) X(1, 8, 1) X(2, 8, 0) X(4, 8, 0) X(8, 8, 0)
+/* the shapes (NH heads per key/value head, DV = D / 16) compiled with constant sizes: the loops over
+   heads, lanes and queries unroll into registers. PAIRED_SHAPES: those where two query tokens per pass
+   still fit the registers (2 x NH x DV accumulators of the weighted sum); the others take one. */
+#define SHAPES(X) X(1, 4) X(2, 4) X(3, 4) X(4, 4) X(8, 4) X(1, 8) X(2, 8) X(4, 8) X(8, 8)
+#define PAIRED_SHAPES(X) X(1, 4) X(2, 4) X(3, 4) X(1, 8)
 
 /* q, out: [T][H][D]; K/V of cache row r, key/value head g at kb + r * row_stride + g * head_stride,
    [slots][D]; query i sees slots < prefix[i] and prefix[i] + m where vis[i * W + m].
@@ -215,11 +218,12 @@ int tr_tree_attention(const float *q, float *out, const float *kb, const float *
     if (G <= 0 || H % G != 0 || D % 16 != 0) return 2;
     const int NH = (int)(H / G), DV = (int)(D / 16);
     const int kind = NH * 100 + DV;
+    if (NH > 16 || DV > 16) return 2;
     int paired = 0;
     switch (kind) {
-#define PAIRED_OF(nh, dv, pair) case nh * 100 + dv: paired = pair; break;
-        SHAPES(PAIRED_OF)
-        default: if (NH > 16 || DV > 16) return 2;
+#define PAIRED_OF(nh, dv) case nh * 100 + dv: paired = 1; break;
+        PAIRED_SHAPES(PAIRED_OF)
+        default: break;
     }
     /* units: a pair of consecutive query tokens of one row (same cache row and prefix) where the shape
        is paired, else one token */
@@ -241,11 +245,11 @@ int tr_tree_attention(const float *q, float *out, const float *kb, const float *
         const float *V = vb + rows[i] * row_stride + g * head_stride;
         const uint8_t *vi = vis + i * W;
         const int64_t P = prefix[i];
-        switch (kind * 2 + (int)n) {
-#define CASES_OF(nh, dv, pair)                                                                      \
-            case (nh * 100 + dv) * 2 + 1: err |= several(qi, oi, H * D, K, V, P, vi, W, scale, nh, dv, 1); break; \
-            case (nh * 100 + dv) * 2 + 2: err |= several(qi, oi, H * D, K, V, P, vi, W, scale, nh, dv, pair ? 2 : 1); break;
-            SHAPES(CASES_OF)
+        switch (kind * 2 + (int)n) {  /* n == 2 only for a paired shape */
+#define ONE_OF(nh, dv) case (nh * 100 + dv) * 2 + 1: err |= several(qi, oi, H * D, K, V, P, vi, W, scale, nh, dv, 1); break;
+#define TWO_OF(nh, dv) case (nh * 100 + dv) * 2 + 2: err |= several(qi, oi, H * D, K, V, P, vi, W, scale, nh, dv, 2); break;
+            SHAPES(ONE_OF)
+            PAIRED_SHAPES(TWO_OF)
             default: err |= several(qi, oi, H * D, K, V, P, vi, W, scale, NH, DV, 1);
         }
     }
