@@ -13,11 +13,12 @@ every row in vector registers and, for each k, loads 16 weights once and multipl
 row's ``x[m, k]`` (a fused multiply-add per row). Calls of up to 9 rows work on 3-4 panels at
 once (more weight streams in flight, as many as the registers hold: 4 up to 6 rows, 3 up to 9;
 5-9 rows keep their running totals in the output to make room). Calls of 10 rows and more take 3
-panels at a time and their rows in blocks of 8 per sub-block of 32 k: the sub-block's weights come
-from memory for the first 8 rows and from the L1 cache for the rest, so 3 weight streams stay in
-flight (one panel at a time for 16 rows had left the stream at about 17 GB/s, against 28 for one
-row), and the short passes over the L1 copy let the stream go on between them. The same vector
-code is written with GCC vector
+panels at a time and their rows in blocks of 8 per sub-block of 64 k (whole 128-k blocks above 24
+rows): the sub-block's weights come from memory for the first 8 rows and from the L1 cache for the
+rest, so 3 weight streams stay in flight (one panel at a time for 16 rows had left the stream at
+about 17 GB/s, against 28 for one row), and the short passes over the L1 copy let the stream go on
+between them. Every group of panels prefetches the next group's first lines before it ends
+(``pf_line``), so a new group never starts cold. The same vector code is written with GCC vector
 extensions and compiled with ``-march=native`` by the C compiler found at start-up (``$CC``, ``cc``
 or ``gcc``), so it uses AVX-512 where the CPU has it and AVX2 or NEON elsewhere. It runs on torch's
 own OpenMP team (the library links ``libgomp.so.1``, which resolves to the copy torch has already
@@ -52,6 +53,19 @@ SOURCE = r"""
 
 typedef float v16 __attribute__((vector_size(64)));
 
+/* the address to prefetch for line l of the first of NP consecutive panels at p (add j * K * 16 for
+   panel j): past a panel's end (l >= K), line l - K of the next group's panels, so that all NP of
+   their streams are under way when the group starts. Before, the lines past a panel's end were the
+   next panel's, which this group streams already: a new group started with all but one of its
+   streams cold (a prefetch never faults, so lines past the weights are harmless). Measured on 604
+   MB of K = 576 panels (past this machine's L3), 2 threads, best of 9 x 3 alternated runs: 16
+   rows 22.0-22.5 -> 19.5-20.6 ms with SPLIT_PF_LINES 40 -> 128 (40 with this alone: 20.8-21.5),
+   12 rows 20.6-20.8 -> 18.3-19.6, 32 rows 32.7-33.0 -> 29.8-30.4; 4 rows 18.2-18.4 -> 16.7-18.0,
+   8 rows 19.4-19.9 -> 17.4-19.0 */
+static inline const float *pf_line(const float *p, int64_t K, int NP, int64_t l) {
+    return l < K ? p + 16 * l : p + (int64_t)NP * K * 16 + 16 * (l - K);
+}
+
 #define KB 128   /* k per accumulation block */
 #define PF 1024  /* prefetch distance, floats */
 
@@ -73,7 +87,7 @@ typedef float v16 __attribute__((vector_size(64)));
 #define BLOCK_PRODUCTS(MM, NP)                                                                       \
     v16 acc[NP][MM];                                                                                 \
     for (int j = 0; j < NP; j++) for (int m = 0; m < MM; m++) acc[j][m] = (v16){0};                  \
-    PRODUCTS(MM, NP, p + k * 16 + PF)
+    PRODUCTS(MM, NP, pf_line(p, K, NP, k + PF / 16))
 /* y[m][panel j] += acc[j][m]: a block's products added to the running totals kept in y */
 #define ADD_BLOCK_TO_Y(MM, NP)                                                                       \
     for (int j = 0; j < NP; j++)                                                                     \
@@ -119,11 +133,11 @@ DEFINE_GROUP_Y(5, 4) DEFINE_GROUP_Y(6, 4)
 DEFINE_GROUP_Y(7, 3) DEFINE_GROUP_Y(8, 3) DEFINE_GROUP_Y(9, 3)
 DEFINE_GROUP_Y(9, 2)
 
-/* Rows in blocks of 8 over NP panels at a time (10 rows and more), one sub-block of 32 k at a time:
-   the sub-block's weights (NP x 32 x 64 bytes) come from memory for the first 8 rows and from the L1
+/* Rows in blocks of 8 over NP panels at a time (10 rows and more), one sub-block of SPLIT_K k at a time:
+   the sub-block's weights (NP x SPLIT_K x 64 bytes) come from memory for the first 8 rows and from the L1
    cache for the next, so 3 weight streams are in flight per thread instead of 1, with 24 totals in
-   registers. The passes over the L1 copy are short (32 k), so the weight stream, kept going by
-   prefetches 256 floats ahead, never waits long for them. Between sub-blocks a row block's partial
+   registers. The passes over the L1 copy are short (SPLIT_K k), so the weight stream, kept going by
+   prefetches SPLIT_PF_LINES k ahead, never waits long for them. Between sub-blocks a row block's partial
    sums wait in a scratch slot (s[j * 8 + m]; a float stored and read back is the same float), and the
    last sub-block of a 128-k block adds them to the row's total in y (zeroed first): each block's
    products are still summed from zero in k order, then added in block order, the same sums in the
@@ -131,15 +145,20 @@ DEFINE_GROUP_Y(9, 2)
    bound by the multiply-adds, take whole 128-k blocks (sub-blocks: 1-2% slower at 48-64 rows).
    Prefetching: every pass used to prefetch its own k + 16, so after the first pass over a sub-block
    the others only asked for lines already asked for, and memory idled through them. Now the passes
-   share the job (pass r prefetches the r-th 1/passes of the lines 40 k ahead of the sub-block, at
-   1/passes line per k), so the stream never pauses. SmolLM2-135M's linears and LM head, 2 threads,
+   share the job (pass r prefetches the r-th 1/passes of the lines SPLIT_PF_LINES k ahead of the
+   sub-block, at 1/passes line per k), so the stream never pauses. SmolLM2-135M's linears and LM head, 2 threads,
    medians of 9: 12 rows 21.8 -> 21.1 ms, 16 rows 23.9 -> 22.6, 24 rows 32.2 -> 29.1, 32 rows
    39.1 -> 34.6; 1-9 and 48-64 rows unchanged. */
 #define SPLIT_ROWS 8   /* rows per block: divides the 16 rows of a chunk of xt */
 #define SPLIT_PANELS 3
-#define SPLIT_K 32     /* k per sub-block up to SPLIT_K_ROWS rows (more rows: whole blocks); divides KB */
-#define SPLIT_K_ROWS 32
-#define SPLIT_PF_LINES 40  /* prefetch distance from a sub-block's first k, in k (lines of a panel) */
+/* k per sub-block up to SPLIT_K_ROWS rows (more rows: whole blocks); divides KB. With the next group's
+   streams prefetched (pf_line), longer sub-blocks pay: 604 MB of K = 576 panels, 2 threads, best of 9
+   x 3 alternated runs, 32 k -> 64 k: 14 rows 19.2-19.7 -> 18.4-19.0 ms, 16 rows 19.8-20.2 -> 18.9-19.7,
+   20 rows 23.5-23.7 -> 20.6-21.1, 24 rows 26.4-26.9 -> 23.1-23.4; 10-12 rows level; 32 rows in
+   whole blocks 27.6-28.1 (64 k: 28.4-28.5, 32 k: 30.2-30.6) */
+#define SPLIT_K 64
+#define SPLIT_K_ROWS 24
+#define SPLIT_PF_LINES 128  /* prefetch distance from a sub-block's first k, in k (lines of a panel) */
 #define SPLIT_SLOT (SPLIT_ROWS * SPLIT_PANELS)  /* scratch per row block, in vectors */
 #define DEFINE_SPLIT(MM, NP)                                                                         \
 static void split_##MM##_##NP(const float *restrict xt, const float *restrict p, int64_t K,         \
@@ -181,7 +200,8 @@ static void split_rows(const float *xt, const float *p, int64_t K, float *y, int
                 int64_t mm = M - m0 < SPLIT_ROWS ? M - m0 : SPLIT_ROWS;
                 SPLITS[NP][mm](xt + (m0 / 16) * K * 16 + m0 % 16, p, K, y + m0 * ldy, ldy,
                                s + (m0 / SPLIT_ROWS) * SPLIT_SLOT, s0, s1, s0 == k0, s1 == k1,
-                               p + 16 * (s0 + SPLIT_PF_LINES + (m0 / SPLIT_ROWS) * (s1 - s0) / passes), pf_step);
+                               pf_line(p, K, NP, s0 + SPLIT_PF_LINES + (m0 / SPLIT_ROWS) * (s1 - s0) / passes),
+                               pf_step);
             }
         }
     }
@@ -262,7 +282,7 @@ int tr_panel_gemm(const float *x, int64_t ldx, const float *P, float *y, int64_t
                 (M <= 8 ? PAIRS[M] : PAIRS_Y[M])(xt, P + b * K * 16, K, y + b * 16, ldy);
             for (; b < b1; b++) SINGLES[M](xt, P + b * K * 16, K, y + b * 16, ldy);
         } else {
-            /* 10 rows and more: 3 panels at a time, rows in blocks of 8 per sub-block of 32 k
+            /* 10 rows and more: 3 panels at a time, rows in blocks of 8 per sub-block of SPLIT_K k
                (split_group). SmolLM2-135M's linears and LM head, 2 threads, medians of 9, against blocks
                of 8 rows over whole 128-k blocks (session 26, for 13 rows and more) and, for 10-12 rows,
                2 panels at a time with all rows in registers: 10 rows 24.1 -> 23.2 ms, 12 rows 25.1 ->
