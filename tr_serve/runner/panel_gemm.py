@@ -58,10 +58,9 @@ typedef float v16 __attribute__((vector_size(64)));
    their streams are under way when the group starts. Before, the lines past a panel's end were the
    next panel's, which this group streams already: a new group started with all but one of its
    streams cold (a prefetch never faults, so lines past the weights are harmless). Measured on 604
-   MB of K = 576 panels (past this machine's L3), 2 threads, best of 9 x 3 alternated runs: 16
-   rows 22.0-22.5 -> 19.5-20.6 ms with SPLIT_PF_LINES 40 -> 128 (40 with this alone: 20.8-21.5),
-   12 rows 20.6-20.8 -> 18.3-19.6, 32 rows 32.7-33.0 -> 29.8-30.4; 4 rows 18.2-18.4 -> 16.7-18.0,
-   8 rows 19.4-19.9 -> 17.4-19.0 */
+   MB of K = 576 panels (past this machine's L3), 2 threads, old and new alternated, best of 9 in
+   each of 3 runs, with the split path's sub-blocks and distance below: 8 rows 19.4 -> 18.6-19.1
+   ms, 16 rows 22.0-22.4 -> 20.1-20.2, 24 rows 27.6-28.0 -> 23.5-23.9 */
 static inline const float *pf_line(const float *p, int64_t K, int NP, int64_t l) {
     return l < K ? p + 16 * l : p + (int64_t)NP * K * 16 + 16 * (l - K);
 }
@@ -133,22 +132,23 @@ DEFINE_GROUP_Y(5, 4) DEFINE_GROUP_Y(6, 4)
 DEFINE_GROUP_Y(7, 3) DEFINE_GROUP_Y(8, 3) DEFINE_GROUP_Y(9, 3)
 DEFINE_GROUP_Y(9, 2)
 
-/* Rows in blocks of 8 over NP panels at a time (10 rows and more), one sub-block of SPLIT_K k at a time:
-   the sub-block's weights (NP x SPLIT_K x 64 bytes) come from memory for the first 8 rows and from the L1
-   cache for the next, so 3 weight streams are in flight per thread instead of 1, with 24 totals in
-   registers. The passes over the L1 copy are short (SPLIT_K k), so the weight stream, kept going by
-   prefetches SPLIT_PF_LINES k ahead, never waits long for them. Between sub-blocks a row block's partial
-   sums wait in a scratch slot (s[j * 8 + m]; a float stored and read back is the same float), and the
-   last sub-block of a 128-k block adds them to the row's total in y (zeroed first): each block's
-   products are still summed from zero in k order, then added in block order, the same sums in the
-   same order as the groups above, so the same results. Calls of more than 32 rows, whose passes are
-   bound by the multiply-adds, take whole 128-k blocks (sub-blocks: 1-2% slower at 48-64 rows).
+/* Rows in blocks of 8 over NP panels at a time (10 rows and more), one sub-block of SPLIT_K k at a
+   time: the sub-block's weights (NP x SPLIT_K x 64 bytes) come from memory for the first 8 rows and
+   from the L1 cache for the next, so 3 weight streams are in flight per thread instead of 1, with 24
+   totals in registers. The passes over the L1 copy are short (SPLIT_K k), so the weight stream, kept
+   going by prefetches SPLIT_PF_LINES k ahead, never waits long for them. Between sub-blocks a row
+   block's partial sums wait in a scratch slot (s[j * 8 + m]; a float stored and read back is the
+   same float), and the last sub-block of a 128-k block adds them to the row's total in y (zeroed
+   first): each block's products are still summed from zero in k order, then added in block order,
+   the same sums in the same order as the groups above, so the same results. Calls of more than
+   SPLIT_K_ROWS rows, whose passes are bound by the multiply-adds, take whole 128-k blocks
+   (sub-blocks: 1-2% slower at 48-64 rows).
    Prefetching: every pass used to prefetch its own k + 16, so after the first pass over a sub-block
    the others only asked for lines already asked for, and memory idled through them. Now the passes
    share the job (pass r prefetches the r-th 1/passes of the lines SPLIT_PF_LINES k ahead of the
-   sub-block, at 1/passes line per k), so the stream never pauses. SmolLM2-135M's linears and LM head, 2 threads,
-   medians of 9: 12 rows 21.8 -> 21.1 ms, 16 rows 23.9 -> 22.6, 24 rows 32.2 -> 29.1, 32 rows
-   39.1 -> 34.6; 1-9 and 48-64 rows unchanged. */
+   sub-block, at 1/passes line per k), so the stream never pauses. SmolLM2-135M's linears and LM
+   head, 2 threads, medians of 9: 12 rows 21.8 -> 21.1 ms, 16 rows 23.9 -> 22.6, 24 rows 32.2 ->
+   29.1, 32 rows 39.1 -> 34.6; 1-9 and 48-64 rows unchanged. */
 #define SPLIT_ROWS 8   /* rows per block: divides the 16 rows of a chunk of xt */
 #define SPLIT_PANELS 3
 /* k per sub-block up to SPLIT_K_ROWS rows (more rows: whole blocks); divides KB. With the next group's
