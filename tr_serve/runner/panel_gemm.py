@@ -66,7 +66,7 @@ static inline const float *pf_line(const float *p, int64_t K, int NP, int64_t l)
 }
 
 #define KB 128   /* k per accumulation block */
-#define PF 1024  /* prefetch distance, floats */
+#define PF_LINES 64  /* prefetch distance of the groups below, in k (lines of a panel) */
 
 /* acc[NP][MM] += the products of k in [k0, k1) of NP consecutive panels at p with MM rows of xt (x
    transposed, [K][16]), by fused multiply-adds in k order; at each k, PF_AT (an expression of k) is
@@ -86,7 +86,7 @@ static inline const float *pf_line(const float *p, int64_t K, int NP, int64_t l)
 #define BLOCK_PRODUCTS(MM, NP)                                                                       \
     v16 acc[NP][MM];                                                                                 \
     for (int j = 0; j < NP; j++) for (int m = 0; m < MM; m++) acc[j][m] = (v16){0};                  \
-    PRODUCTS(MM, NP, pf_line(p, K, NP, k + PF / 16))
+    PRODUCTS(MM, NP, pf_line(p, K, NP, k + PF_LINES))
 /* y[m][panel j] += acc[j][m]: a block's products added to the running totals kept in y */
 #define ADD_BLOCK_TO_Y(MM, NP)                                                                       \
     for (int j = 0; j < NP; j++)                                                                     \

@@ -223,7 +223,6 @@ int tr_tree_attention(const float *q, float *out, const float *kb, const float *
     switch (kind) {
 #define PAIRED_OF(nh, dv) case nh * 100 + dv: paired = 1; break;
         PAIRED_SHAPES(PAIRED_OF)
-        default: break;
     }
     /* units: a pair of consecutive query tokens of one row (same cache row and prefix) where the shape
        is paired, else one token */
