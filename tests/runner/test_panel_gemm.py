@@ -84,9 +84,10 @@ def assert_each_row_as_alone(w: torch.Tensor, x: torch.Tensor, counts, threads: 
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("n", [16, 32, 48, 64, 80, 96, 112, 128, 208, 1000])
 def test_up_to_sixteen_rows_give_each_rows_result_alone(n, threads):
-    """Up to 9 rows run 4 or 3 panels per group by the row count, 10-16 rows 3 panels with the
-    rows in blocks of 8 over sub-blocks of 32 k (K = 300: two whole blocks of 128, then 44 k, whose
-    last sub-block is short), and each thread's run of panels ends in smaller groups: every row count
+    """Up to 6 rows and 9 run 4 or 3 panels per group by the row count, 7-8 rows 6 panels with the
+    rows in blocks of 4, 10-16 rows 3 panels with the rows in blocks of 8, both over sub-blocks of 64
+    k (K = 300: two whole blocks of 128, then 44 k, a short one), and each thread's run of panels
+    ends in smaller groups: every row count
     gives each row its own result (one row alone) bit for bit, for every remainder of panels per
     thread."""
     g = torch.Generator().manual_seed(n + 3)
@@ -100,7 +101,7 @@ def test_up_to_sixteen_rows_give_each_rows_result_alone(n, threads):
 @pytest.mark.parametrize("n", [16, 32, 48, 64, 80, 128, 192, 208, 576])
 def test_rows_past_sixteen_give_each_rows_result_alone(n, threads):
     """Past 16 rows the rows run in blocks of 8 (a chunk of x's 16 rows holds two), 3 panels at a
-    time and the thread's last 1 or 2 panels together, over sub-blocks of 32 k up to 32 rows and
+    time and the thread's last 1 or 2 panels together, over sub-blocks of 64 k up to 24 rows and
     whole 128-k blocks past that: every row's result is still bit for bit the row's own, for every
     remainder of rows and panels."""
     g = torch.Generator().manual_seed(n + 7)

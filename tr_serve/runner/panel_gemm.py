@@ -10,9 +10,12 @@ multiply-adds at the cores' peak).
 This kernel stores each weight matrix as panels of 16 output features, ``[N/16][K][16]``, read
 sequentially (with software prefetch) once per call. For each panel it keeps the 16 outputs of
 every row in vector registers and, for each k, loads 16 weights once and multiplies them with each
-row's ``x[m, k]`` (a fused multiply-add per row). Calls of up to 9 rows work on 3-4 panels at
-once (more weight streams in flight, as many as the registers hold: 4 up to 6 rows, 3 up to 9;
-5-9 rows keep their running totals in the output to make room). Calls of 10 rows and more take 3
+row's ``x[m, k]`` (a fused multiply-add per row). Calls of up to 6 rows and of 9 work on 3-4 panels
+at once (more weight streams in flight, as many as the registers hold: 4 up to 6 rows, 3 for 9; 5, 6
+and 9 rows keep their running totals in the output to make room). 7-8 and 13-16 rows take 6 panels
+at a time in blocks of 4 rows per sub-block of 64 k, the blocks after the first reading the
+weights from the L1 cache: the stream's speed follows the number of panels read at once. Calls of
+10-12 rows and 17 or more take 3
 panels at a time and their rows in blocks of 8 per sub-block of 64 k (whole 128-k blocks above 24
 rows): the sub-block's weights come from memory for the first 8 rows and from the L1 cache for the
 rest, so 3 weight streams stay in flight (one panel at a time for 16 rows had left the stream at
@@ -123,13 +126,13 @@ static void NAME(const float *restrict xt, const float *restrict p, int64_t K,  
 #define DEFINE_GROUP_Y(MM, NP) DEFINE_GROUP_AS(groupy_##MM##_##NP, MM, NP, 1)
 
 DEFINE_GROUP(1, 4) DEFINE_GROUP(2, 4) DEFINE_GROUP(3, 4) DEFINE_GROUP(4, 4) DEFINE_GROUP(1, 2) DEFINE_GROUP(2, 2) DEFINE_GROUP(3, 2) DEFINE_GROUP(4, 2)
-DEFINE_GROUP(5, 2) DEFINE_GROUP(6, 2) DEFINE_GROUP(7, 2) DEFINE_GROUP(8, 2)
+DEFINE_GROUP(5, 2) DEFINE_GROUP(6, 2)
 DEFINE_GROUP(1, 1) DEFINE_GROUP(2, 1) DEFINE_GROUP(3, 1) DEFINE_GROUP(4, 1)
-DEFINE_GROUP(5, 1) DEFINE_GROUP(6, 1) DEFINE_GROUP(7, 1) DEFINE_GROUP(8, 1)
+DEFINE_GROUP(5, 1) DEFINE_GROUP(6, 1)
 DEFINE_GROUP(9, 1)
 
 DEFINE_GROUP_Y(5, 4) DEFINE_GROUP_Y(6, 4)
-DEFINE_GROUP_Y(7, 3) DEFINE_GROUP_Y(8, 3) DEFINE_GROUP_Y(9, 3)
+DEFINE_GROUP_Y(9, 3)
 DEFINE_GROUP_Y(9, 2)
 
 /* Rows in blocks of 8 over NP panels at a time (10 rows and more), one sub-block of SPLIT_K k at a
@@ -160,48 +163,73 @@ DEFINE_GROUP_Y(9, 2)
 #define SPLIT_K_ROWS 24
 #define SPLIT_PF_LINES 128  /* prefetch distance from a sub-block's first k, in k (lines of a panel) */
 #define SPLIT_SLOT (SPLIT_ROWS * SPLIT_PANELS)  /* scratch per row block, in vectors */
-#define DEFINE_SPLIT(MM, NP)                                                                         \
-static void split_##MM##_##NP(const float *restrict xt, const float *restrict p, int64_t K,         \
+/* 7-8 and 13-16 rows: blocks of NARROW_ROWS rows over NARROW_PANELS panels (each sub-block's weights
+   from memory for the first block, from L1 for the others). The weight stream's speed follows how many
+   panels are read at once: 8 rows in registers fit 3 panels, whose 3 streams left the stream ~10%
+   below one row's 4. Measured standalone, 2 threads, alternated runs: on 604 MB of K = 576 panels
+   (best of 15, 3 runs) 8 rows 18.6-19.6 ms in groups of 3 panels -> 17.9-18.2 in blocks of 4 rows over
+   6 panels, 7 rows 18.3-19.6 -> 17.7-18.6 (1 row 16.6-17.0); on SmolLM2-135M's 120 layer GEMMs (best of
+   25, 2-4 runs) 8 rows 13.25-13.69 -> 13.0-13.24 ms, 14 rows 14.15-14.40 -> 13.58-13.76 (against blocks
+   of 8 over 3 panels), 16 rows 14.62-14.98 -> 14.27-14.50. 5-6 rows (4 panels in registers), 9 rows, 12
+   rows (13.5-13.7 -> 14.0-14.3) and 24 rows (18.1-18.4 -> 19.5-19.9) were slower this way. */
+#define NARROW_ROWS 4
+#define NARROW_PANELS 6
+#define NARROW_MAX_ROWS 16
+static inline int narrow(int64_t M) { return (M >= 7 && M <= 8) || (M >= 13 && M <= NARROW_MAX_ROWS); }
+#if NARROW_ROWS * NARROW_PANELS != SPLIT_SLOT
+#error "both row-block shapes share the scratch slot's size"
+#endif
+/* R rows per block (the scratch slot's layout: s[j * R + m]) */
+#define DEFINE_SPLIT(R, MM, NP)                                                                      \
+static void split##R##_##MM##_##NP(const float *restrict xt, const float *restrict p, int64_t K,     \
                               float *restrict y, int64_t ldy, v16 *restrict s, int64_t k0,          \
                               int64_t k1, int first, int last, const float *pf0, int64_t pf_step) { \
     v16 acc[NP][MM];                                                                                 \
     for (int j = 0; j < NP; j++)                                                                     \
-        for (int m = 0; m < MM; m++) acc[j][m] = first ? (v16){0} : s[j * SPLIT_ROWS + m];           \
+        for (int m = 0; m < MM; m++) acc[j][m] = first ? (v16){0} : s[j * R + m];                    \
     PRODUCTS(MM, NP, pf0 + (k - k0) * pf_step)                                                       \
     if (last) { ADD_BLOCK_TO_Y(MM, NP) }                                                             \
-    else for (int j = 0; j < NP; j++) for (int m = 0; m < MM; m++) s[j * SPLIT_ROWS + m] = acc[j][m]; \
+    else for (int j = 0; j < NP; j++) for (int m = 0; m < MM; m++) s[j * R + m] = acc[j][m];         \
 }
-#define DEFINE_SPLITS(NP) DEFINE_SPLIT(1, NP) DEFINE_SPLIT(2, NP) DEFINE_SPLIT(3, NP) DEFINE_SPLIT(4, NP) \
-                          DEFINE_SPLIT(5, NP) DEFINE_SPLIT(6, NP) DEFINE_SPLIT(7, NP) DEFINE_SPLIT(8, NP)
+#define DEFINE_SPLITS(NP) DEFINE_SPLIT(8, 1, NP) DEFINE_SPLIT(8, 2, NP) DEFINE_SPLIT(8, 3, NP) DEFINE_SPLIT(8, 4, NP) \
+                          DEFINE_SPLIT(8, 5, NP) DEFINE_SPLIT(8, 6, NP) DEFINE_SPLIT(8, 7, NP) DEFINE_SPLIT(8, 8, NP)
+#define DEFINE_NARROW(NP) DEFINE_SPLIT(4, 1, NP) DEFINE_SPLIT(4, 2, NP) DEFINE_SPLIT(4, 3, NP) DEFINE_SPLIT(4, 4, NP)
 DEFINE_SPLITS(1) DEFINE_SPLITS(2) DEFINE_SPLITS(3)
+DEFINE_NARROW(1) DEFINE_NARROW(2) DEFINE_NARROW(3) DEFINE_NARROW(4) DEFINE_NARROW(5) DEFINE_NARROW(6)
 
 typedef void (*split_fn)(const float *, const float *, int64_t, float *, int64_t, v16 *, int64_t, int64_t, int, int,
                          const float *, int64_t);
+/* [panels][rows of the block] */
 static const split_fn SPLITS[SPLIT_PANELS + 1][SPLIT_ROWS + 1] = {
     {0},
-    {0, split_1_1, split_2_1, split_3_1, split_4_1, split_5_1, split_6_1, split_7_1, split_8_1},
-    {0, split_1_2, split_2_2, split_3_2, split_4_2, split_5_2, split_6_2, split_7_2, split_8_2},
-    {0, split_1_3, split_2_3, split_3_3, split_4_3, split_5_3, split_6_3, split_7_3, split_8_3}};
+    {0, split8_1_1, split8_2_1, split8_3_1, split8_4_1, split8_5_1, split8_6_1, split8_7_1, split8_8_1},
+    {0, split8_1_2, split8_2_2, split8_3_2, split8_4_2, split8_5_2, split8_6_2, split8_7_2, split8_8_2},
+    {0, split8_1_3, split8_2_3, split8_3_3, split8_4_3, split8_5_3, split8_6_3, split8_7_3, split8_8_3}};
+static const split_fn NARROW[NARROW_PANELS + 1][NARROW_ROWS + 1] = {
+    {0},
+    {0, split4_1_1, split4_2_1, split4_3_1, split4_4_1}, {0, split4_1_2, split4_2_2, split4_3_2, split4_4_2},
+    {0, split4_1_3, split4_2_3, split4_3_3, split4_4_3}, {0, split4_1_4, split4_2_4, split4_3_4, split4_4_4},
+    {0, split4_1_5, split4_2_5, split4_3_5, split4_4_5}, {0, split4_1_6, split4_2_6, split4_3_6, split4_4_6}};
 
-/* NP panels at p for M rows of xt (chunks of 16 rows, [chunks][K][16]); s: ceil(M / 8) slots */
+/* NP panels at p for M rows of xt (chunks of 16 rows, [chunks][K][16]) in blocks of R rows (fns[mm]: the
+   kernel of a block of mm rows over NP panels); s: ceil(M / R) slots */
 static void split_rows(const float *xt, const float *p, int64_t K, float *y, int64_t ldy, int64_t M, int NP,
-                       v16 *s) {
+                       v16 *s, int64_t R, const split_fn *fns) {
     int64_t sub = M <= SPLIT_K_ROWS ? SPLIT_K : KB;
     /* the row blocks' passes over a sub-block share the prefetches of its lines SPLIT_PF_LINES ahead,
        1/passes line per k each: the stream keeps going through the passes over the L1 copy too, where
        every pass prefetching the same lines had left memory idle after the first */
-    const int64_t passes = (M + SPLIT_ROWS - 1) / SPLIT_ROWS, pf_step = 16 / passes;
+    const int64_t passes = (M + R - 1) / R, pf_step = 16 / passes;
     for (int64_t m = 0; m < M; m++) memset(y + m * ldy, 0, sizeof(float) * 16 * NP);
     for (int64_t k0 = 0; k0 < K; k0 += KB) {
         int64_t k1 = k0 + KB < K ? k0 + KB : K;
         for (int64_t s0 = k0; s0 < k1; s0 += sub) {
             int64_t s1 = s0 + sub < k1 ? s0 + sub : k1;
-            for (int64_t m0 = 0; m0 < M; m0 += SPLIT_ROWS) {
-                int64_t mm = M - m0 < SPLIT_ROWS ? M - m0 : SPLIT_ROWS;
-                SPLITS[NP][mm](xt + (m0 / 16) * K * 16 + m0 % 16, p, K, y + m0 * ldy, ldy,
-                               s + (m0 / SPLIT_ROWS) * SPLIT_SLOT, s0, s1, s0 == k0, s1 == k1,
-                               pf_line(p, K, NP, s0 + SPLIT_PF_LINES + (m0 / SPLIT_ROWS) * (s1 - s0) / passes),
-                               pf_step);
+            for (int64_t m0 = 0; m0 < M; m0 += R) {
+                int64_t mm = M - m0 < R ? M - m0 : R;
+                fns[mm](xt + (m0 / 16) * K * 16 + m0 % 16, p, K, y + m0 * ldy, ldy, s + (m0 / R) * SPLIT_SLOT, s0, s1,
+                        s0 == k0, s1 == k1, pf_line(p, K, NP, s0 + SPLIT_PF_LINES + (m0 / R) * (s1 - s0) / passes),
+                        pf_step);
             }
         }
     }
@@ -216,19 +244,24 @@ static void split_group(const float *xt, const float *p, int64_t K, float *y, in
     v16 s[SPLIT_MAX_ROWS / SPLIT_ROWS * SPLIT_SLOT];
     for (int64_t r0 = 0; r0 < M; r0 += SPLIT_MAX_ROWS)
         split_rows(xt + (r0 / 16) * K * 16, p, K, y + r0 * ldy, ldy,
-                   M - r0 < SPLIT_MAX_ROWS ? M - r0 : SPLIT_MAX_ROWS, NP, s);
+                   M - r0 < SPLIT_MAX_ROWS ? M - r0 : SPLIT_MAX_ROWS, NP, s, SPLIT_ROWS, SPLITS[NP]);
+}
+
+/* NP panels at p for M <= NARROW_MAX_ROWS rows (within one chunk of xt), in blocks of NARROW_ROWS rows */
+static void narrow_group(const float *xt, const float *p, int64_t K, float *y, int64_t ldy, int64_t M, int NP) {
+    v16 s[NARROW_MAX_ROWS / NARROW_ROWS * SPLIT_SLOT];
+    split_rows(xt, p, K, y, ldy, M, NP, s, NARROW_ROWS, NARROW[NP]);
 }
 
 typedef void (*group_fn)(const float *, const float *, int64_t, float *, int64_t);
 static const group_fn QUADS_Y[7] = {0, 0, 0, 0, 0, groupy_5_4, groupy_6_4};
-static const group_fn TRIPLES_Y[10] = {0, 0, 0, 0, 0, 0, 0, groupy_7_3, groupy_8_3, groupy_9_3};
+static const group_fn TRIPLES_Y[10] = {0, 0, 0, 0, 0, 0, 0, 0, 0, groupy_9_3};
 static const group_fn PAIRS_Y[10] = {0, 0, 0, 0, 0, 0, 0, 0, 0, groupy_9_2};
 
 static const group_fn QUADS[5] = {0, group_1_4, group_2_4, group_3_4, group_4_4};
-static const group_fn PAIRS[9] = {0, group_1_2, group_2_2, group_3_2, group_4_2,
-                                  group_5_2, group_6_2, group_7_2, group_8_2};
-static const group_fn SINGLES[10] = {0, group_1_1, group_2_1, group_3_1, group_4_1, group_5_1,
-                                     group_6_1, group_7_1, group_8_1, group_9_1};
+static const group_fn PAIRS[7] = {0, group_1_2, group_2_2, group_3_2, group_4_2, group_5_2, group_6_2};
+static const group_fn SINGLES[10] = {0, group_1_1, group_2_1, group_3_1, group_4_1, group_5_1, group_6_1, 0, 0,
+                                     group_9_1};  /* 7-8 rows: narrow_group */
 
 /* xt's lines for k in [ka, kb): x's rows [M][K] (row stride ldx) transposed, chunk by chunk of 16 rows,
    each 64-byte line (one k of a chunk) written whole at once; columns past a chunk's last row are never
@@ -268,9 +301,13 @@ int tr_panel_gemm(const float *x, int64_t ldx, const float *P, float *y, int64_t
         transpose_x(x, ldx, xt, M, K, K * t / nt, K * (t + 1) / nt);  /* each thread a share of k */
         #pragma omp barrier
         int64_t b0 = NB * t / nt, b1 = NB * (t + 1) / nt, b = b0;  /* each thread an equal run of panels */
-        if (M <= 9) {
+        if (narrow(M)) {  /* more weight streams than the registers hold for all rows */
+            for (; b + NARROW_PANELS <= b1; b += NARROW_PANELS)
+                narrow_group(xt, P + b * K * 16, K, y + b * 16, ldy, M, NARROW_PANELS);
+            if (b < b1) narrow_group(xt, P + b * K * 16, K, y + b * 16, ldy, M, (int)(b1 - b));
+        } else if (M <= 9) {
             /* NP panels at a time (NP weight streams in flight, NP chains of multiply-adds
-               per row), as many as the registers hold: 4 up to 6 rows, 3 up to 9 (measured,
+               per row), as many as the registers hold: 4 up to 6 rows, 3 for 9 (measured,
                SmolLM2-135M's linears and LM head, 2 threads, medians of 13: 5 rows 30.5 -> 29.9 ms,
                6 rows 30.6 -> 30.2 with 4 panels instead of 3; 9 rows 35.4 -> 33.0 with 3 instead of 2;
                7 rows with 4 were no faster: their totals and weights fill the registers).
@@ -279,10 +316,10 @@ int tr_panel_gemm(const float *x, int64_t ldx, const float *P, float *y, int64_t
             int64_t NP = M <= 6 ? 4 : 3;
             for (; b + NP <= b1; b += NP) G(xt, P + b * K * 16, K, y + b * 16, ldy);
             for (; b + 2 <= b1; b += 2)  /* NP is 3 or 4 here: the tail's pairs, then singles */
-                (M <= 8 ? PAIRS[M] : PAIRS_Y[M])(xt, P + b * K * 16, K, y + b * 16, ldy);
+                (M <= 6 ? PAIRS[M] : PAIRS_Y[M])(xt, P + b * K * 16, K, y + b * 16, ldy);
             for (; b < b1; b++) SINGLES[M](xt, P + b * K * 16, K, y + b * 16, ldy);
         } else {
-            /* 10 rows and more: 3 panels at a time, rows in blocks of 8 per sub-block of SPLIT_K k
+            /* 10-12 rows and 17 or more: 3 panels at a time, rows in blocks of 8 per sub-block of SPLIT_K k
                (split_group). SmolLM2-135M's linears and LM head, 2 threads, medians of 9, against blocks
                of 8 rows over whole 128-k blocks (session 26, for 13 rows and more) and, for 10-12 rows,
                2 panels at a time with all rows in registers: 10 rows 24.1 -> 23.2 ms, 12 rows 25.1 ->
@@ -303,7 +340,7 @@ def _compiler() -> str | None:
 def _self_check(lib: ctypes.CDLL) -> bool:
     g = torch.Generator().manual_seed(0)
     for m, n, k in ((1, 48, 40), (1, 112, 40), (1, 96, 20), (1, 80, 24), (3, 112, 40), (5, 40, 300), (6, 112, 40),
-                    (7, 80, 40), (9, 112, 300), (10, 48, 300), (16, 32, 129), (19, 16, 8)):
+                    (7, 80, 40), (8, 112, 300), (9, 112, 300), (10, 48, 300), (16, 32, 129), (19, 16, 8)):
         w = torch.randn(n, k, generator=g)
         x = torch.randn(m, k, generator=g)
         got = _run(lib, x, pack(w), n)
