@@ -84,12 +84,11 @@ def assert_each_row_as_alone(w: torch.Tensor, x: torch.Tensor, counts, threads: 
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("n", [16, 32, 48, 64, 80, 96, 112, 128, 208, 1000])
 def test_up_to_sixteen_rows_give_each_rows_result_alone(n, threads):
-    """Up to 6 rows and 9 run 4 or 3 panels per group by the row count, 7-8 rows 6 panels with the
-    rows in blocks of 4, 10-16 rows 3 panels with the rows in blocks of 8, both over sub-blocks of 64
-    k (K = 300: two whole blocks of 128, then 44 k, a short one), and each thread's run of panels
-    ends in smaller groups: every row count
-    gives each row its own result (one row alone) bit for bit, for every remainder of panels per
-    thread."""
+    """Up to 6 rows and 9 run 4 or 3 panels per group by the row count, 7-8 and 13-16 rows 6 panels
+    with the rows in blocks of 4, 10-12 rows 3 panels with the rows in blocks of 8, both over
+    sub-blocks of 64 k (K = 300: two whole blocks of 128, then 44 k, a short one), and each
+    thread's run of panels ends in smaller groups: every row count gives each row its own result
+    (one row alone) bit for bit, for every remainder of panels per thread."""
     g = torch.Generator().manual_seed(n + 3)
     w, x = torch.randn(n, 300, generator=g), torch.randn(16, 300, generator=g)
     alone = assert_each_row_as_alone(w, x, range(2, 17), threads)

@@ -15,17 +15,16 @@ at once (more weight streams in flight, as many as the registers hold: 4 up to 6
 and 9 rows keep their running totals in the output to make room). 7-8 and 13-16 rows take 6 panels
 at a time in blocks of 4 rows per sub-block of 64 k, the blocks after the first reading the
 weights from the L1 cache: the stream's speed follows the number of panels read at once. Calls of
-10-12 rows and 17 or more take 3
-panels at a time and their rows in blocks of 8 per sub-block of 64 k (whole 128-k blocks above 24
-rows): the sub-block's weights come from memory for the first 8 rows and from the L1 cache for the
-rest, so 3 weight streams stay in flight (one panel at a time for 16 rows had left the stream at
-about 17 GB/s, against 28 for one row), and the short passes over the L1 copy let the stream go on
-between them. Every group of panels prefetches the next group's first lines before it ends
-(``pf_line``), so a new group never starts cold. The same vector code is written with GCC vector
-extensions and compiled with ``-march=native`` by the C compiler found at start-up (``$CC``, ``cc``
-or ``gcc``), so it uses AVX-512 where the CPU has it and AVX2 or NEON elsewhere. It runs on torch's
-own OpenMP team (the library links ``libgomp.so.1``, which resolves to the copy torch has already
-loaded), so it never competes with torch's threads.
+10-12 rows and 17 or more take 3 panels at a time and their rows in blocks of 8 per sub-block of 64
+k (whole 128-k blocks above 24 rows): the sub-block's weights come from memory for the first 8 rows
+and from the L1 cache for the rest, so 3 weight streams stay in flight (one panel at a time for 16
+rows had left the stream at about 17 GB/s, against 28 for one row), and the short passes over the
+L1 copy let the stream go on between them. Every group of panels prefetches the next group's first
+lines before it ends (``pf_line``), so a new group never starts cold. The same vector code is
+written with GCC vector extensions and compiled with ``-march=native`` by the C compiler found at
+start-up (``$CC``, ``cc`` or ``gcc``), so it uses AVX-512 where the CPU has it and AVX2 or NEON
+elsewhere. It runs on torch's own OpenMP team (the library links ``libgomp.so.1``, which resolves to
+the copy torch has already loaded), so it never competes with torch's threads.
 
 Arithmetic: each output is the sum over k of ``x[m, k] * w[n, k]``, accumulated in fp32 by fused
 multiply-adds in blocks of 128 k (blocks added in order). The order does not depend on the number
@@ -135,7 +134,7 @@ DEFINE_GROUP_Y(5, 4) DEFINE_GROUP_Y(6, 4)
 DEFINE_GROUP_Y(9, 3)
 DEFINE_GROUP_Y(9, 2)
 
-/* Rows in blocks of 8 over NP panels at a time (10 rows and more), one sub-block of SPLIT_K k at a
+/* Rows in blocks of 8 over NP panels at a time (10-12 rows and 17 or more), one sub-block of SPLIT_K k at a
    time: the sub-block's weights (NP x SPLIT_K x 64 bytes) come from memory for the first 8 rows and
    from the L1 cache for the next, so 3 weight streams are in flight per thread instead of 1, with 24
    totals in registers. The passes over the L1 copy are short (SPLIT_K k), so the weight stream, kept
@@ -310,8 +309,8 @@ int tr_panel_gemm(const float *x, int64_t ldx, const float *P, float *y, int64_t
                per row), as many as the registers hold: 4 up to 6 rows, 3 for 9 (measured,
                SmolLM2-135M's linears and LM head, 2 threads, medians of 13: 5 rows 30.5 -> 29.9 ms,
                6 rows 30.6 -> 30.2 with 4 panels instead of 3; 9 rows 35.4 -> 33.0 with 3 instead of 2;
-               7 rows with 4 were no faster: their totals and weights fill the registers).
-               A run's last few panels go in smaller groups. */
+               7 rows with 4 were no faster: their totals and weights fill the registers; 7-8 rows
+               now take narrow_group). A run's last few panels go in smaller groups. */
             group_fn G = M <= 4 ? QUADS[M] : M <= 6 ? QUADS_Y[M] : TRIPLES_Y[M];
             int64_t NP = M <= 6 ? 4 : 3;
             for (; b + NP <= b1; b += NP) G(xt, P + b * K * 16, K, y + b * 16, ldy);
