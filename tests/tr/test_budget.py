@@ -207,12 +207,13 @@ def test_plan_buys_a_confident_branch_only_when_the_forward_is_cheap_enough():
 
 def test_plan_counts_merged_branch_tokens_as_free():
     # the branch's first two tokens are template nodes at order positions 0 and 1: with n >= 2 they
-    # cost nothing, and the third token hangs below them as one extra node
+    # cost nothing and are priced at the branch's rates, and the third token hangs below them as one
+    # extra node
     template = [0.6, 0.5, 0.01, 0.01]
     branch = ([0, 1, 1 << 30], [0.9, 0.85, 0.8])
     latency = StepLatency(LatencyTable((1, 2, 3, 4, 5), (0.030, 0.036, 0.042, 0.048, 0.054)))
     [(n, cap)] = choose_plan(template, [branch], latency, (0, 1, 2, 4), (0, 1))
-    assert (n, cap) == (2, 1)  # 3 nodes verified: 1 + 0.6 + 0.5 + 0.8 expected tokens for 0.042 s
+    assert (n, cap) == (2, 1)  # 3 nodes verified: 1 + 0.9 + 0.85 + 0.8 expected tokens for 0.042 s
 
 
 def test_a_plan_within_the_margin_of_plain_decoding_stays_plain():
@@ -292,10 +293,11 @@ def test_plan_is_the_best_scored_price_pick_or_plain_within_the_margin():
             options = []
             for n in nodes:
                 merged = sum(1 for pos in merge_pos if pos < n)
-                for cap in caps:
+                for cap in caps:  # merged nodes at the branch's rates, in place of the template's
                     extra = min(cap, len(branch) - merged) if branch else 0
-                    options.append((sum(rates[:n]) + sum(branch[merged : merged + extra]) if branch else sum(rates[:n]),
-                                    n + extra, n, cap if branch else 0))
+                    gain = (sum(rates[:n]) - sum(rates[pos] for pos in merge_pos[:merged]) + sum(branch[: merged + extra])
+                            if branch else sum(rates[:n]))
+                    options.append((gain, n + extra, n, cap if branch else 0))
             options_per_row.append(_frontier(options))
         rows = len(chains)
         scored = {}
@@ -319,7 +321,7 @@ def test_plan_is_the_best_scored_price_pick_or_plain_within_the_margin():
         assert [(n, cap if chains[r][1] else 0) for r, (n, cap) in enumerate(got)] == want
 
 
-def test_plan_gains_count_template_nodes_and_the_unmerged_branch_tokens_under_the_cap():
+def test_plan_gains_count_merged_template_nodes_as_branch_tokens():
     from tr_serve.tr.budget import plan_gains
 
     def plan_gain(*args):
@@ -328,13 +330,15 @@ def test_plan_gains_count_template_nodes_and_the_unmerged_branch_tokens_under_th
     template = [0.6, 0.5, 0.2, 0.1]
     branch = ([0, 1, 1 << 30, 1 << 30], [0.9, 0.8, 0.7, 0.6])  # first two merge into order positions 0, 1
     assert plan_gain(template, [NO_BRANCH], [(3, 0)]) == pytest.approx(1.3)
-    # n = 2: both merged tokens are template nodes already (counted once), then at most 1 more
-    assert plan_gain(template, [branch], [(2, 1)]) == pytest.approx(0.6 + 0.5 + 0.7)
+    # n = 2: both merged tokens are template nodes already (counted once, at the branch's rates),
+    # then at most 1 more
+    assert plan_gain(template, [branch], [(2, 1)]) == pytest.approx(0.9 + 0.8 + 0.7)
     # n = 1: the second branch token is not among the verified nodes: it and the next come from the cap
-    assert plan_gain(template, [branch], [(1, 2)]) == pytest.approx(0.6 + 0.8 + 0.7)
+    assert plan_gain(template, [branch], [(1, 2)]) == pytest.approx(0.9 + 0.8 + 0.7)
     assert plan_gain(template, [branch, NO_BRANCH], [(0, 0), (4, 0)]) == pytest.approx(1.4)
-    # apart: merged branch tokens count with the template nodes they merge into
-    assert plan_gains(template, [branch], [(1, 2)]) == pytest.approx((0.6, 0.8 + 0.7))
+    # apart: the template nodes the branch merges into count as branch tokens
+    assert plan_gains(template, [branch], [(1, 2)]) == pytest.approx((0.0, 0.9 + 0.8 + 0.7))
+    assert plan_gains(template, [branch], [(4, 0)]) == pytest.approx((0.2 + 0.1, 0.9 + 0.8))
 
 
 def test_calibration_scales_the_rates_by_what_verification_accepted():
@@ -530,6 +534,35 @@ def test_template_nodes_and_branch_tokens_are_calibrated_apart():
                                                               before[1] * cal_t.decay + 0))
     assert (cal_b.expected, cal_b.accepted) == pytest.approx((before[2] * cal_b.decay + branch_expected,
                                                               before[3] * cal_b.decay + 2))
+
+
+def test_template_nodes_a_branch_merges_into_are_calibrated_as_the_branchs():
+    """A template column that a branch token merged into counts against the branch's expected gain
+    (plan_gains prices it at the branch's rate): the template's calibration only sees the nodes the
+    context did not back."""
+    from dataclasses import replace
+
+    from tr_serve.tr.budget import TreeBudget
+    from tr_serve.tr.draft import build_draft
+    from tr_serve.tr.verifier import accept_draft
+
+    tree = compile_tree([[0], [0, 0]])
+    budget = TreeBudget(tree, StepLatency(LatencyTable((1, 8), (1.0, 1.01))), context_tokens=4,
+                        node_candidates=(0, 1, 2), chain_caps=(0, 1, 2), explore_every=1000)
+    successors = lambda before, token: [1]  # noqa: E731 (the template drafts 1 under every node)
+    plan = budget.plan([0], successors, [[1, 8]], [4])
+    template_expected, branch_expected = budget._expected
+    assert plan == [(2, 1)] and template_expected == pytest.approx(budget.acceptance.rate_list()[1])
+    draft = torch.tensor([[0, 1, 1]])
+    batch = build_draft(draft, tree, torch.arange(1, 3), chains=[[1, 8]], match_lengths=[4], row_nodes=[2], caps=[1])
+    batch = replace(batch, template_draft=draft)
+    assert batch.chain_columns == ((1, 3),)  # the branch's 1 is template column 1, its 8 a column of its own
+    cal_t, cal_b = budget.calibration, budget.branch_calibration
+    before = (cal_t.accepted, cal_b.accepted)
+    # columns: root, template 1 (= branch 1), template 1 under it, branch 8 under it; the model chose 1, then 8
+    budget.observe(batch, accept_draft(batch, torch.tensor([[1, 8, 5, 2]])), None)
+    assert cal_t.accepted == pytest.approx(before[0] * cal_t.decay + 0)
+    assert cal_b.accepted == pytest.approx(before[1] * cal_b.decay + 2)
 
 
 def _template_tables(batch, acceptance):
