@@ -271,12 +271,6 @@ def _price_picks(frontier: list[tuple[float, int, int, int]]) -> list[tuple[floa
     return out
 
 
-def _merged_template_cumulative(template_rates: list[float], merge_pos: list[int]) -> list[float]:
-    """[0, r(p0), r(p0) + r(p1), ...]: the template rates of the order positions a branch's first
-    tokens merge into (positions rise along the branch; the ones past the template never merge)."""
-    return _cumulative(template_rates[pos] for pos in merge_pos if pos < len(template_rates))
-
-
 def plan_gains(template_rates: list[float], chains: list[tuple[list[int], list[float]]],
                plan: list[tuple[int, int]], branchless_rates: list[float] | None = None) -> tuple[float, float]:
     """Expected accepted drafts of ``plan`` (per row (template nodes n, branch cap L), as
@@ -299,7 +293,7 @@ def plan_gains(template_rates: list[float], chains: list[tuple[list[int], list[f
             template += cum_b[n]
             continue
         merged = sum(1 for pos in merge_pos if pos < n)  # positions rise along the branch
-        template += cum_t[n] - _merged_template_cumulative(template_rates, merge_pos)[merged]
+        template += cum_t[n] - sum(template_rates[pos] for pos in merge_pos[:merged])
         branch += sum(rates[: merged + cap])
     return template, branch
 
@@ -375,7 +369,8 @@ def choose_plan(template_rates: list[float], chains: list[tuple[list[int], list[
             frontiers.append(seen[key])
             continue
         cum = _cumulative(rates)
-        merged_t = _merged_template_cumulative(template_rates, merge_pos)
+        # the template rates of the order positions the branch's first tokens merge into, summed
+        merged_t = _cumulative(template_rates[pos] for pos in merge_pos if pos < len(template_rates))
         options = []
         m, merged = 0, len(merge_pos)
         for n in candidates:  # ascending: the merged prefix of the branch only grows
