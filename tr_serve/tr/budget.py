@@ -283,8 +283,8 @@ def plan_gains(template_rates: list[float], chains: list[tuple[list[int], list[f
     a node is right far more often than the template's rate for its position says. Measured at 8
     rows on the 26 dev questions (an engine warmed at 4 rows first): the template nodes a branch
     token merged into were right 98 of 156 times, the others 31 of 245. Counted as template nodes,
-    they priced the template's nodes by the merged ones' successes, in the plan search and in the
-    template's calibration."""
+    they were priced at the template's rates, and their successes raised the template's
+    calibration, which scales every template node's rate."""
     cum_t = _cumulative(template_rates)
     cum_b = cum_t if branchless_rates is None else _cumulative(branchless_rates)
     template, branch = 0.0, 0.0
