@@ -139,7 +139,7 @@ DEFINE_GROUP_Y(9, 2)
    from the L1 cache for the next, so 3 weight streams are in flight per thread instead of 1, with 24
    totals in registers. The passes over the L1 copy are short (SPLIT_K k), so the weight stream, kept
    going by prefetches SPLIT_PF_LINES k ahead, never waits long for them. Between sub-blocks a row
-   block's partial sums wait in a scratch slot (s[j * 8 + m]; a float stored and read back is the
+   block's partial sums wait in a scratch slot (s[j * R + m]; a float stored and read back is the
    same float), and the last sub-block of a 128-k block adds them to the row's total in y (zeroed
    first): each block's products are still summed from zero in k order, then added in block order,
    the same sums in the same order as the groups above, so the same results. Calls of more than
@@ -235,21 +235,20 @@ static void split_rows(const float *xt, const float *p, int64_t K, float *y, int
 }
 
 #define SPLIT_MAX_ROWS 128  /* rows per split_rows call: 24 KB of scratch */
-/* NP panels at p for all M rows of xt, 128 rows at a time. The scratch is on the thread's stack: in
-   one heap buffer beside xt_buf (both page-aligned), 24-64 rows ran 15-20% slower (35.9 -> 41.8 ms
-   at 24 rows, measured when every sub-block's sums went through it), as if its stores and xt's loads
-   collided at the same offsets in 4 KB pages. */
-static void split_group(const float *xt, const float *p, int64_t K, float *y, int64_t ldy, int64_t M, int NP) {
+#if NARROW_MAX_ROWS / NARROW_ROWS > SPLIT_MAX_ROWS / SPLIT_ROWS
+#error "the scratch of row_blocks holds SPLIT_MAX_ROWS / SPLIT_ROWS row blocks"
+#endif
+/* NP panels at p for all M rows of xt in blocks of R rows (fns[mm]: the kernel of a block of mm rows
+   over NP panels; R is SPLIT_ROWS, or NARROW_ROWS for at most NARROW_MAX_ROWS rows), 128 rows at a
+   time. The scratch is on the thread's stack: in one heap buffer beside xt_buf (both page-aligned),
+   24-64 rows ran 15-20% slower (35.9 -> 41.8 ms at 24 rows, measured when every sub-block's sums went
+   through it), as if its stores and xt's loads collided at the same offsets in 4 KB pages. */
+static void row_blocks(const float *xt, const float *p, int64_t K, float *y, int64_t ldy, int64_t M, int NP,
+                       int64_t R, const split_fn *fns) {
     v16 s[SPLIT_MAX_ROWS / SPLIT_ROWS * SPLIT_SLOT];
     for (int64_t r0 = 0; r0 < M; r0 += SPLIT_MAX_ROWS)
         split_rows(xt + (r0 / 16) * K * 16, p, K, y + r0 * ldy, ldy,
-                   M - r0 < SPLIT_MAX_ROWS ? M - r0 : SPLIT_MAX_ROWS, NP, s, SPLIT_ROWS, SPLITS[NP]);
-}
-
-/* NP panels at p for M <= NARROW_MAX_ROWS rows (within one chunk of xt), in blocks of NARROW_ROWS rows */
-static void narrow_group(const float *xt, const float *p, int64_t K, float *y, int64_t ldy, int64_t M, int NP) {
-    v16 s[NARROW_MAX_ROWS / NARROW_ROWS * SPLIT_SLOT];
-    split_rows(xt, p, K, y, ldy, M, NP, s, NARROW_ROWS, NARROW[NP]);
+                   M - r0 < SPLIT_MAX_ROWS ? M - r0 : SPLIT_MAX_ROWS, NP, s, R, fns);
 }
 
 typedef void (*group_fn)(const float *, const float *, int64_t, float *, int64_t);
@@ -260,7 +259,7 @@ static const group_fn PAIRS_Y[10] = {0, 0, 0, 0, 0, 0, 0, 0, 0, groupy_9_2};
 static const group_fn QUADS[5] = {0, group_1_4, group_2_4, group_3_4, group_4_4};
 static const group_fn PAIRS[7] = {0, group_1_2, group_2_2, group_3_2, group_4_2, group_5_2, group_6_2};
 static const group_fn SINGLES[10] = {0, group_1_1, group_2_1, group_3_1, group_4_1, group_5_1, group_6_1, 0, 0,
-                                     group_9_1};  /* 7-8 rows: narrow_group */
+                                     group_9_1};  /* 7-8 rows: row_blocks */
 
 /* xt's lines for k in [ka, kb): x's rows [M][K] (row stride ldx) transposed, chunk by chunk of 16 rows,
    each 64-byte line (one k of a chunk) written whole at once; columns past a chunk's last row are never
@@ -300,17 +299,13 @@ int tr_panel_gemm(const float *x, int64_t ldx, const float *P, float *y, int64_t
         transpose_x(x, ldx, xt, M, K, K * t / nt, K * (t + 1) / nt);  /* each thread a share of k */
         #pragma omp barrier
         int64_t b0 = NB * t / nt, b1 = NB * (t + 1) / nt, b = b0;  /* each thread an equal run of panels */
-        if (narrow(M)) {  /* more weight streams than the registers hold for all rows */
-            for (; b + NARROW_PANELS <= b1; b += NARROW_PANELS)
-                narrow_group(xt, P + b * K * 16, K, y + b * 16, ldy, M, NARROW_PANELS);
-            if (b < b1) narrow_group(xt, P + b * K * 16, K, y + b * 16, ldy, M, (int)(b1 - b));
-        } else if (M <= 9) {
+        if (M <= 9 && !narrow(M)) {
             /* NP panels at a time (NP weight streams in flight, NP chains of multiply-adds
                per row), as many as the registers hold: 4 up to 6 rows, 3 for 9 (measured,
                SmolLM2-135M's linears and LM head, 2 threads, medians of 13: 5 rows 30.5 -> 29.9 ms,
                6 rows 30.6 -> 30.2 with 4 panels instead of 3; 9 rows 35.4 -> 33.0 with 3 instead of 2;
                7 rows with 4 were no faster: their totals and weights fill the registers; 7-8 rows
-               now take narrow_group). A run's last few panels go in smaller groups. */
+               now take blocks of 4 rows below). A run's last few panels go in smaller groups. */
             group_fn G = M <= 4 ? QUADS[M] : M <= 6 ? QUADS_Y[M] : TRIPLES_Y[M];
             int64_t NP = M <= 6 ? 4 : 3;
             for (; b + NP <= b1; b += NP) G(xt, P + b * K * 16, K, y + b * 16, ldy);
@@ -318,14 +313,20 @@ int tr_panel_gemm(const float *x, int64_t ldx, const float *P, float *y, int64_t
                 (M <= 6 ? PAIRS[M] : PAIRS_Y[M])(xt, P + b * K * 16, K, y + b * 16, ldy);
             for (; b < b1; b++) SINGLES[M](xt, P + b * K * 16, K, y + b * 16, ldy);
         } else {
-            /* 10-12 rows and 17 or more: 3 panels at a time, rows in blocks of 8 per sub-block of SPLIT_K k
-               (split_group). SmolLM2-135M's linears and LM head, 2 threads, medians of 9, against blocks
-               of 8 rows over whole 128-k blocks (session 26, for 13 rows and more) and, for 10-12 rows,
-               2 panels at a time with all rows in registers: 10 rows 24.1 -> 23.2 ms, 12 rows 25.1 ->
-               24.1, 13 rows 26.3 -> 24.8, 16 rows 28.3 -> 26.8 (9 rows were no faster this way) */
-            for (; b + SPLIT_PANELS <= b1; b += SPLIT_PANELS)
-                split_group(xt, P + b * K * 16, K, y + b * 16, ldy, M, SPLIT_PANELS);
-            if (b < b1) split_group(xt, P + b * K * 16, K, y + b * 16, ldy, M, (int)(b1 - b));
+            /* rows in blocks (row_blocks), per sub-block of SPLIT_K k: 7-8 and 13-16 rows in blocks of 4
+               over 6 panels at a time (narrow: more weight streams than the registers hold for all
+               rows), 10-12 rows and 17 or more in blocks of 8 over 3 panels; a run's last panels
+               together. Blocks of 8 over 3 panels, SmolLM2-135M's linears and LM head, 2 threads,
+               medians of 9, against blocks of 8 rows over whole 128-k blocks (session 26, for 13 rows
+               and more) and, for 10-12 rows, 2 panels at a time with all rows in registers: 10 rows
+               24.1 -> 23.2 ms, 12 rows 25.1 -> 24.1, 13 rows 26.3 -> 24.8, 16 rows 28.3 -> 26.8 (9 rows
+               were no faster this way) */
+            const int four = narrow(M), group = four ? NARROW_PANELS : SPLIT_PANELS;
+            for (; b < b1; b += group) {
+                const int np = b1 - b < group ? (int)(b1 - b) : group;
+                row_blocks(xt, P + b * K * 16, K, y + b * 16, ldy, M, np, four ? NARROW_ROWS : SPLIT_ROWS,
+                           four ? NARROW[np] : SPLITS[np]);
+            }
         }
     }
     return 0;
