@@ -54,3 +54,27 @@ def test_declines_what_it_cannot_answer_exactly(case):
     elif case == "empty":
         logits = torch.randn(0, 256)
     assert top_k_rows(logits, k) is None
+
+
+@pytest.mark.parametrize("width", [16, 48, 64, 80, 592, 4096 + 48])
+def test_blocks_scanned_four_at_a_time_and_the_tail_alone_find_the_same_top_k(width):
+    """The scan skips four 16-float blocks at once when none beats the k-th value so far, and takes a
+    width's last blocks (below a multiple of 64) one by one: the maximum in either place, and ties
+    across them, come out as torch's."""
+    g = torch.Generator().manual_seed(width)
+    logits = torch.randn(6, width, generator=g)
+    logits[1, -1] = 9.0  # the maximum in the last block
+    logits[2, width // 2] = logits[2, -3] = 9.0  # tied maxima, the second in the tail
+    logits[3, 0] = 9.0  # the first block
+    top = top_k_rows(logits, 8 if width >= 8 else width)
+    assert torch.equal(top[:, 0], logits.argmax(dim=-1))
+    assert torch.equal(logits.gather(1, top), torch.topk(logits, top.shape[1], dim=-1).values)
+
+
+def test_a_nan_in_a_skipped_stretch_is_still_caught():
+    """A NaN where no value beats the k-th so far (a stretch the scan skips) still makes it decline."""
+    logits = torch.zeros(2, 1024)
+    logits[:, :8] = 5.0  # the top 8 are settled in the first block
+    logits[1, 700] = float("nan")
+    assert top_k_rows(logits[:1], 8) is not None
+    assert top_k_rows(logits, 8) is None
