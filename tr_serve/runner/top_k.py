@@ -19,8 +19,8 @@ bound by instructions: measured right after an LM head, k = 8, 2 threads, 1 row 
 A value is inserted after every value greater or equal to it, so equal values stay in index order
 and ``[:, 0]`` is the first index of the maximum: exactly ``torch.argmax``. A row holding a NaN
 (where ``torch.argmax`` answers the NaN's index) or fewer than k values above -inf is flagged and
-:func:`top_k_rows` leaves the whole call to torch. The top-k may order equal values differently from ``torch.topk`` (which leaves ties
-unspecified); it only feeds drafts.
+:func:`top_k_rows` leaves the whole call to torch. The top-k may order equal values differently
+from ``torch.topk`` (which leaves ties unspecified); it only feeds drafts.
 
 Nothing here is required: without a compiler or torch's libgomp, or when the self-check fails,
 :func:`top_k_rows` returns None and the caller uses torch. ``TR_SERVE_TOP_K=0`` turns it off.
@@ -44,8 +44,8 @@ SOURCE = r"""
 typedef float v16 __attribute__((vector_size(64)));
 typedef int32_t i16 __attribute__((vector_size(64)));
 
-/* whether any lane of m is set: its halves ORed together four times (a loop over the lanes compiled to
-   ~40 scalar extracts per call, which made the scan bound by instructions, not by memory) */
+/* whether any lane of m is set: its halves ORed together four times (see the module's docstring for
+   why not a loop over the lanes) */
 static inline int any_lane(i16 m) {
     m |= __builtin_shuffle(m, (i16){8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7});
     m |= __builtin_shuffle(m, (i16){4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11});
@@ -68,7 +68,7 @@ int tr_top_k(const float *x, int64_t ldx, int64_t n, int64_t V, int64_t k, int64
         float thr = -INFINITY;  /* the k-th largest so far; -inf until k values are held */
         i16 nan = (i16){0};
         for (int64_t i = 0; i < V; i += 16) {
-            if (i % 64 == 0 && i + 64 <= V) {  /* 4 blocks at once: skipped together when none holds a value above thr */
+            if (i % 64 == 0 && i + 64 <= V) {  /* 4 blocks skipped together when none beats thr */
                 v16 a, b, c, d;
                 memcpy(&a, row + i, sizeof a);
                 memcpy(&b, row + i + 16, sizeof b);
