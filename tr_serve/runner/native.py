@@ -26,8 +26,8 @@ logger = logging.getLogger(__name__)
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11")
 
 # What the vector kernels share: 16-float vectors (GCC vector extensions), unaligned loads and
-# stores, a broadcast, and a sum of the lanes in a fixed order (so a kernel's sums do not depend on
-# how the compiler schedules them).
+# stores, a broadcast, a sum of the lanes in a fixed order (so a kernel's sums do not depend on
+# how the compiler schedules them), and a test of whether any lane of a compare is set.
 VECTOR_PRELUDE = r"""
 #include <stdint.h>
 #include <stdlib.h>
@@ -48,6 +48,16 @@ static inline float hsum(v16 a) {
     a += __builtin_shuffle(a, (i16){2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13});
     a += __builtin_shuffle(a, (i16){1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14});
     return a[0];
+}
+
+/* whether any lane of m is set, halves folded as in hsum (a loop over the lanes compiles to a chain
+   of scalar extracts) */
+static inline int any_lane(i16 m) {
+    m |= __builtin_shuffle(m, (i16){8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7});
+    m |= __builtin_shuffle(m, (i16){4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11});
+    m |= __builtin_shuffle(m, (i16){2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13});
+    m |= __builtin_shuffle(m, (i16){1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14});
+    return m[0] != 0;
 }
 
 /* exp(x) for x in [-87, 88] (Cephes expf, about 1 ulp); the callers clamp and mask */
