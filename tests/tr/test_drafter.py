@@ -121,7 +121,7 @@ def test_auto_hangs_the_pair_tables_chain_where_the_context_has_no_match(tokeniz
     assert engine.drafter.budget.context_stats.trials[0].sum() > 0  # the chain's own acceptance was observed
 
 
-def test_auto_hangs_the_matrix_confident_chain_on_lean_steps_where_the_context_has_no_match(tokenizer):
+def test_auto_hangs_the_matrix_confident_chain_on_every_step_where_the_context_has_no_match(tokenizer):
     from tr_serve.tr.drafter import CONFIDENT_STREAK, TABLE_CHAIN_MATCH
 
     loaded = tiny_loaded(tokenizer, seed=3, init_range=0.5)  # its first tokens differ
@@ -143,12 +143,10 @@ def test_auto_hangs_the_matrix_confident_chain_on_lean_steps_where_the_context_h
             lambda args, result: (plans.append((list(args[0 if lean else 2][0]), args[1 if lean else 3][0])),
                                   agreed.append(list(args[2 if lean else 5][0]))))
         assert run(engine, prompt, 40) == plain
-        if lean:
-            assert plans[0] == ([plain[1], plain[2]], TABLE_CHAIN_MATCH)
-            assert agreed[0] == [True, True]  # a chain of first candidates: the matrix agrees with every token
-            assert budget.context_stats.trials[0].sum() > 0  # the chain's own acceptance was observed
-        else:  # a full plan: the template holds the same candidates, no chain
-            assert plans[0] == ([], 0)
+        # lean step or full plan, the chain is the row's branch, priced by its own acceptance
+        assert plans[0] == ([plain[1], plain[2]], TABLE_CHAIN_MATCH)
+        assert agreed[0] == [True, True]  # a chain of first candidates: the matrix agrees with every token
+        assert budget.context_stats.trials[0].sum() > 0  # the chain's own acceptance was observed
 
 
 def test_pair_table_slots_must_be_a_power_of_two():

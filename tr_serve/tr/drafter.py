@@ -13,7 +13,8 @@ With a pair table (tr/pair_table.py; the fixed hybrids by default) the template 
 rows keyed by (token before, token) where the table holds them, and under ``auto`` a row with no
 context match gets the pair table's chain as its branch. Without one, under ``auto`` such a row
 gets the matrix's confident chain (``AdjacencyMatrix.confident_chains``: first candidates through
-rows the model keeps rewriting alike), priced by its own measured acceptance like any branch.
+rows the model has rewritten alike), priced by its own measured acceptance like any branch, on
+full plans and lean steps alike.
 """
 
 from __future__ import annotations
@@ -57,8 +58,13 @@ PLD_CONTEXT = ContextSettings(min_ngram=2, max_ngram=4, max_tokens=4)
 TABLE_CHAIN_MATCH = 1
 # a confident chain leaves a token only if the model wrote that token's first candidate again, unchanged,
 # at least this many times in a row (AdjacencyMatrix.streak; measured offline, the first candidate was
-# then the model's choice 0.75-0.95 of the time, against 0.26 at streak 0 and 0.55 at 1)
-CONFIDENT_STREAK = 2
+# then the model's choice 0.55 of the time at streak 1 and 0.75-0.95 at 2 or more, against 0.26 at
+# streak 0). 1, not 2: where a query token costs a third of a row's expected tokens (8 concurrent rows on
+# a CPU) a 0.55 chance pays, and the budget cuts the chain by its measured acceptance where it does not.
+# Measured with the chain on every step (40 dev questions x 128 tokens, continuous batching after 16
+# warm-up questions, two runs each): 8 rows 384-386 -> 373-375 decode steps (2 -> 1: 377-385), 4 and
+# 1 rows level (658 -> 659-662 and 2047 -> 2048 steps)
+CONFIDENT_STREAK = 1
 NODE_CANDIDATES = (0, 1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 80)
 CHAIN_CAPS = (0, 1, 2, 4, 8, 16)
 EXPLORE_EVERY = 16  # every 16th step verifies the runner-up plan, to keep its latency measured
@@ -132,13 +138,12 @@ class Drafter:
             for r, ctx in enumerate(contexts):
                 matches[r], chains[r] = ctx.lookup(caps[r])
         lean = self.budget is not None and self.budget.lean_next  # recent plans bought no template node
-        if self.budget is not None and self.context is not None and (pairs is not None or lean):
+        if self.budget is not None and self.context is not None:
             # rows the context has no match for: a chain from the recycled tables, priced by its
-            # own acceptance (ContextStats bucket of TABLE_CHAIN_MATCH). The matrix's confident
-            # chain only on lean steps: on full plans the template holds the same first candidates,
-            # priced from every row's outcomes (measured on 12-16 dev questions per row count, with
-            # the chain on full plans too: MAT 1.76 -> 1.70 at 1 row and 1.61 -> 1.56 at 4 rows, no
-            # throughput gained; at 16 rows, where steps are lean, decode tokens/s 216 -> 235)
+            # own acceptance (ContextStats bucket of TABLE_CHAIN_MATCH), on full plans too: the
+            # template holds the same first candidates, but priced by their position's average
+            # over every row, which a row whose root the model keeps rewriting alike beats (see
+            # CONFIDENT_STREAK for the figures)
             idle = [r for r in range(b) if not chains[r]]
             if idle:
                 idle_caps = [caps[r] for r in idle]
