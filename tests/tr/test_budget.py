@@ -481,6 +481,33 @@ def test_steps_turn_lean_when_plans_stop_buying_template_nodes_and_a_plan_that_b
     assert not budget.lean_next
 
 
+def test_steps_turn_lean_when_the_template_costs_more_host_time_than_its_share_of_a_step_brings():
+    """Plans that keep buying template nodes still go lean when the host time the template adds
+    (full planning over lean planning, plus learning its outcomes) exceeds its expected share of
+    a step's tokens times the step's latency."""
+    from tr_serve.tr.budget import TreeBudget
+
+    cheap = StepLatency(LatencyTable((1, 8), (1.0, 1.01)))
+    budget = TreeBudget(compile_tree([[0], [0, 0]]), cheap, context_tokens=4, node_candidates=(0, 1, 2),
+                        chain_caps=(0, 1, 2), explore_every=1000)
+    budget.acceptance.hits[:] = 0.9 * budget.acceptance.trials
+    budget.branchless.hits[:] = 0.9 * budget.branchless.trials
+    budget.acceptance._rates = budget.branchless._rates = None
+    successors = lambda before, token: [1]  # noqa: E731
+    for _ in range(40):
+        assert budget.plan([0, 0], successors, [[], []], [0, 0]) == [(2, 0), (2, 0)]  # the template pays
+    assert budget.template_use > 0.9 and 0.4 < budget.template_share < 0.8  # 2 x (0.9 + 0.81) of 2 + 3.42 tokens
+    budget.step_seconds = 1.0
+    assert budget.template_host == 0.0 and not budget.lean_next  # nothing timed yet
+    budget.observe_host(True, 0.3)
+    budget.observe_host(False, 0.1)
+    assert budget.template_host == pytest.approx(0.2) and not budget.lean_next  # 0.2 s < 0.63 of a 1 s step
+    budget.step_seconds = 0.25
+    assert budget.lean_next  # the same host time against a step 4x shorter: the template does not pay
+    budget.steps = 1000 + 1000 // 2 - 1
+    assert not budget.lean_next  # the half-way step between explorations stays a full plan
+
+
 def test_a_lean_plan_prices_branches_and_its_step_leaves_the_template_estimates_alone():
     from dataclasses import replace
 

@@ -11,6 +11,7 @@ device at start-up, corrected by what serving measures.
 from __future__ import annotations
 
 import bisect
+import time
 from itertools import accumulate
 from operator import itemgetter
 from dataclasses import dataclass
@@ -436,6 +437,16 @@ _NOT_VERIFIED = 1 << 30  # merge position of a branch token that no template nod
 # its acceptance cost about 0.6 ms per step.
 LEAN_BELOW = 0.05
 LEAN_DECAY = 0.9
+# Lean steps also when the template is worth less than it costs: the moving average of the share of a
+# full plan's expected tokens that its template nodes bring, times the step's latency, against the
+# moving average of the host time drafting, planning and learning the template adds to a step
+# (TreeBudget.observe_host). Why: at 4-8 concurrent rows on this CPU plans kept buying a node for a
+# row or two (so the rule above never fired) while the template was expected to bring 1-5% of a
+# step's tokens and cost 0.1-0.4 ms of a 21-31 ms step. Measured offline (continuous batching, 40
+# dev questions x 128 tokens after 16 warm-up ones, two runs each): 8 rows, decode 12.61 / 12.38 ->
+# 12.32 / 12.34 s (host 2.55 / 2.30 -> 2.19 / 1.98 ms a step, about half the steps lean); 4 rows
+# 18.95 / 18.89 -> 18.56 / 18.69 s (3% more steps, 8% fewer query tokens a step); 1 row level (MAT
+# 1.86-1.89 -> 1.84-1.89; the template's share stayed at 8-22%, and the steps full).
 # Steps a plan of rows that all have no context branch is reused for the same row count (while
 # the template's order is the same): such a plan follows the slowly moving estimates and latency
 # alone, and planning it again costs about 0.4 ms a step after a forward (rate lists, plan search).
@@ -479,16 +490,39 @@ class TreeBudget:
         self.branch_calibration = GainCalibration()  # context-branch tokens
         self._expected: tuple[float, float] | None = None  # the last plan's (template, branch) expected drafts
         self.template_use = 1.0  # moving average of "the plan bought a template node" (full plans)
+        self.template_share = 1.0  # moving average: the share of a full plan's expected tokens from template nodes
+        self.step_seconds = 0.0  # moving average of a step's latency (measured, else the latency model's)
+        self._host: dict[bool, float] = {}  # full plan or lean step -> moving average of its planning seconds
+        self._template_learning = 0.0  # moving average: seconds observe() spends on the template's outcomes
         # rows -> (order version, step planned, plans, expected drafts) of plans with no branch
         self._branchless_plans: dict[int, tuple[int, int, list[tuple[int, int]], tuple[float, float]]] = {}
 
     @property
     def lean_next(self) -> bool:
         """Whether the next step is lean (:meth:`plan_branches`): recent plans bought no template
-        node. One step in ``explore_every`` (half-way between explorations) stays a full plan, so
-        the template's acceptance keeps being observed and a plan that buys it ends the lean steps."""
+        node, or the template is worth less than the host time it costs (:attr:`template_host`
+        against :attr:`template_share` of a step). One step in ``explore_every`` (half-way between
+        explorations) stays a full plan, so the template's acceptance keeps being observed and a
+        plan that buys it ends the lean steps."""
         step = self.steps + 1
-        return self.template_use < LEAN_BELOW and step % self.explore_every != self.explore_every // 2
+        if step % self.explore_every == self.explore_every // 2:
+            return False
+        return self.template_use < LEAN_BELOW or self.template_host > self.template_share * self.step_seconds
+
+    @property
+    def template_host(self) -> float:
+        """Host seconds the template adds to a step: planning a full step over planning a lean
+        one (0 until a lean step was timed), plus learning the template's outcomes; 0 until the
+        drafter times its plans (:meth:`observe_host`)."""
+        full = self._host.get(True)
+        if full is None:
+            return 0.0
+        return max(0.0, full - self._host.get(False, 0.0)) + self._template_learning
+
+    def observe_host(self, full: bool, seconds: float) -> None:
+        """The drafter's time for one step's plan (the template drafted and walked, on a full plan)."""
+        old = self._host.get(full)
+        self._host[full] = seconds if old is None else LEAN_DECAY * old + (1 - LEAN_DECAY) * seconds
 
     def _branch_rates(self, chain: list[int], match: int, agreed: Sequence[bool] | None) -> list[float]:
         if not (self.context_stats and chain):
@@ -564,6 +598,10 @@ class TreeBudget:
     def _count_use(self, plans: list[tuple[int, int]]) -> None:
         bought = any(n > 0 for n, _ in plans)
         self.template_use = LEAN_DECAY * self.template_use + (1 - LEAN_DECAY) * bought
+        if self._expected is not None:  # the plan's expected drafts, calibrated as the plan search saw them
+            template = self._expected[0] * self.calibration.scale
+            total = len(plans) + template + self._expected[1] * self.branch_calibration.scale
+            self.template_share = LEAN_DECAY * self.template_share + (1 - LEAN_DECAY) * template / total
 
     def reorder(self, rates: list[float]) -> None:
         """Re-rank the template nodes by estimated path rate (parents always before children)."""
@@ -590,8 +628,11 @@ class TreeBudget:
     def observe(self, batch: "DraftBatch", acceptance: "Acceptance", seconds: float | None) -> None:
         """Learn from one verification: the step's measured latency, which template nodes and
         branch tokens were right (the model's argmax choices: for sampled rows too, as a proxy)."""
+        rows, width = batch.tokens.shape
         if seconds is not None:
-            self.latency.observe(batch.tokens.shape[0], batch.num_inputs, seconds, batch.tokens.shape[1])
+            self.latency.observe(rows, batch.num_inputs, seconds, width)
+        step = seconds if seconds is not None else self.latency(rows, batch.num_inputs, width)
+        self.step_seconds = step if not self.step_seconds else LEAN_DECAY * self.step_seconds + (1 - LEAN_DECAY) * step
         if self._expected is not None:
             # an accepted path runs through the row's template columns (1..row_nodes) first, then its branch's;
             # the template columns a branch token merged into count as the branch's (plan_gains)
@@ -602,11 +643,14 @@ class TreeBudget:
             self._expected = None
         if batch.template_draft.shape[1] == self.template.num_nodes + 1:  # full plans: a lean step drafted no template
             # the same template: one walk finds every row's outcomes, each estimate counts its rows
-            rows = node_outcomes(self.template, batch, acceptance)
-            self.acceptance.add_rows(rows)
-            alone = [rows[r] for r, m in enumerate(batch.match_lengths) if m == 0]
+            t0 = time.perf_counter()
+            outcomes = node_outcomes(self.template, batch, acceptance)
+            self.acceptance.add_rows(outcomes)
+            alone = [outcomes[r] for r, m in enumerate(batch.match_lengths) if m == 0]
             if alone:
                 self.branchless.add_rows(alone)
+            seconds_spent = time.perf_counter() - t0
+            self._template_learning = LEAN_DECAY * self._template_learning + (1 - LEAN_DECAY) * seconds_spent
         if self.context_stats is not None:
             self.context_stats.update(branch_outcomes(batch, acceptance))
 

@@ -5,8 +5,9 @@
   (an acceptance-driven shape, re-ranked as the estimates move) and a cap on its context branch,
   chosen together to maximise expected tokens per second under the measured step latency
   (tr/budget.py); a row with nothing promising runs a plain one-token step beside rows that
-  verify trees. While recent plans bought no template node (many concurrent rows on a CPU),
-  steps are lean: the context branches alone, no template drafted (``TreeBudget.lean_next``)
+  verify trees. While recent plans bought no template node, or the template brought less than
+  the host time it costs (many concurrent rows on a CPU), steps are lean: the context branches
+  alone, no template drafted (``TreeBudget.lean_next``)
 * ``pld``: the context branch alone (prompt lookup decoding through the same runner)
 
 With a pair table (tr/pair_table.py; the fixed hybrids by default) the template is drafted from
@@ -19,6 +20,7 @@ full plans and lean steps alike.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, replace
 from typing import Callable, Sequence
 
@@ -137,7 +139,7 @@ class Drafter:
         if self.context is not None and contexts is not None:
             for r, ctx in enumerate(contexts):
                 matches[r], chains[r] = ctx.lookup(caps[r])
-        lean = self.budget is not None and self.budget.lean_next  # recent plans bought no template node
+        lean = self.budget is not None and self.budget.lean_next  # the template did not pay lately
         if self.budget is not None and self.context is not None:
             # rows the context has no match for: a chain from the recycled tables, priced by its
             # own acceptance (ContextStats bucket of TABLE_CHAIN_MATCH), on full plans too: the
@@ -158,15 +160,19 @@ class Drafter:
         cap = self.context.max_tokens if self.context is not None else 0
         agreements = self._agreements(roots.tolist(), chains) if self.budget is not None else None
         if lean:
+            t0 = time.perf_counter()
             plans = self.budget.plan_branches(chains, matches, agreements)
             full = roots[:, None]  # no template drafted: the root alone
+            self.budget.observe_host(False, time.perf_counter() - t0)
         elif self.budget is not None:  # the plan first: the template is then drafted only as deep as it is used
+            t0 = time.perf_counter()
             root_list = roots.tolist()
             before_list = before.tolist() if pairs is not None else [EMPTY] * b
             successors = self._successors([[before_list[r], root_list[r], *c[:-1]] for r, c in enumerate(chains) if c])
             plans = self.budget.plan(root_list, successors, chains, matches, before_list, agreements)
             full = propose(self.matrix, roots, self.template, self.budget.draft_depth(max(p[0] for p in plans)),
                            pairs, before)
+            self.budget.observe_host(True, time.perf_counter() - t0)
         else:
             plans = [(n, cap)] * b
             full = (propose(self.matrix, roots, self.template, pairs=pairs, before=before)
