@@ -502,8 +502,8 @@ class TreeBudget:
         """Whether the next step is lean (:meth:`plan_branches`): recent plans bought no template
         node, or the template is worth less than the host time it costs (:attr:`template_host`
         against :attr:`template_share` of a step). One step in ``explore_every`` (half-way between
-        explorations) stays a full plan, so the template's acceptance keeps being observed and a
-        plan that buys it ends the lean steps."""
+        explorations) stays a full plan, so the template's acceptance keeps being observed and
+        plans that buy nodes that pay end the lean steps."""
         step = self.steps + 1
         if step % self.explore_every == self.explore_every // 2:
             return False
