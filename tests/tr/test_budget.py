@@ -506,6 +506,11 @@ def test_steps_turn_lean_when_the_template_costs_more_host_time_than_its_share_o
     assert budget.lean_next  # the same host time against a step 4x shorter: the template does not pay
     budget.steps = 1000 + 1000 // 2 - 1
     assert not budget.lean_next  # the half-way step between explorations stays a full plan
+    # one slow plan (a first call) counts as twice the average, and the next usual one forgets it
+    budget.observe_host(True, 5.0)
+    assert budget.template_host == pytest.approx(0.9 * 0.3 + 0.1 * 0.6 - 0.1)
+    budget.observe_host(True, 0.05)
+    assert budget.template_host == pytest.approx(0.0)  # the average is at most twice the latest (0.1), less 0.1 lean
 
 
 def test_a_lean_plan_prices_branches_and_its_step_leaves_the_template_estimates_alone():

@@ -521,8 +521,7 @@ class TreeBudget:
 
     def observe_host(self, full: bool, seconds: float) -> None:
         """The drafter's time for one step's plan (the template drafted and walked, on a full plan)."""
-        old = self._host.get(full)
-        self._host[full] = seconds if old is None else LEAN_DECAY * old + (1 - LEAN_DECAY) * seconds
+        self._host[full] = _host_average(self._host.get(full), seconds)
 
     def _branch_rates(self, chain: list[int], match: int, agreed: Sequence[bool] | None) -> list[float]:
         if not (self.context_stats and chain):
@@ -649,10 +648,20 @@ class TreeBudget:
             alone = [outcomes[r] for r, m in enumerate(batch.match_lengths) if m == 0]
             if alone:
                 self.branchless.add_rows(alone)
-            seconds_spent = time.perf_counter() - t0
-            self._template_learning = LEAN_DECAY * self._template_learning + (1 - LEAN_DECAY) * seconds_spent
+            self._template_learning = _host_average(self._template_learning or None, time.perf_counter() - t0)
         if self.context_stats is not None:
             self.context_stats.update(branch_outcomes(batch, acceptance))
+
+
+def _host_average(old: float | None, seconds: float) -> float:
+    """A moving average of host times that one outlier cannot hold up: a sample counts as at most
+    twice the average, and the average is at most twice the latest sample. Why: a step's host time
+    jumps on first calls (a subtree compiled for a new node count or order, caches filled), and
+    while steps are lean a full plan comes once in ``explore_every`` steps, so a plain average
+    would keep such a jump, and the lean steps it caused, for hundreds of steps."""
+    if old is None:
+        return seconds
+    return min(LEAN_DECAY * old + (1 - LEAN_DECAY) * min(seconds, 2 * old), 2 * seconds)
 
 
 def _scaled(chain_info: list[tuple[list[int], list[float]]], scale: float) -> list[tuple[list[int], list[float]]]:
