@@ -493,7 +493,7 @@ class TreeBudget:
         self.template_share = 1.0  # moving average: the share of a full plan's expected tokens from template nodes
         self.step_seconds = 0.0  # moving average of a step's latency (measured, else the latency model's)
         self._host: dict[bool, float] = {}  # full plan or lean step -> moving average of its planning seconds
-        self._template_learning = 0.0  # moving average: seconds observe() spends on the template's outcomes
+        self._template_learning: float | None = None  # moving average: seconds observe() spends on the template's outcomes
         # rows -> (order version, step planned, plans, expected drafts) of plans with no branch
         self._branchless_plans: dict[int, tuple[int, int, list[tuple[int, int]], tuple[float, float]]] = {}
 
@@ -517,7 +517,7 @@ class TreeBudget:
         full = self._host.get(True)
         if full is None:
             return 0.0
-        return max(0.0, full - self._host.get(False, 0.0)) + self._template_learning
+        return max(0.0, full - self._host.get(False, 0.0)) + (self._template_learning or 0.0)
 
     def observe_host(self, full: bool, seconds: float) -> None:
         """The drafter's time for one step's plan (the template drafted and walked, on a full plan)."""
@@ -596,11 +596,11 @@ class TreeBudget:
 
     def _count_use(self, plans: list[tuple[int, int]]) -> None:
         bought = any(n > 0 for n, _ in plans)
-        self.template_use = LEAN_DECAY * self.template_use + (1 - LEAN_DECAY) * bought
+        self.template_use = _lean_average(self.template_use, bought)
         if self._expected is not None:  # the plan's expected drafts, calibrated as the plan search saw them
             template = self._expected[0] * self.calibration.scale
             total = len(plans) + template + self._expected[1] * self.branch_calibration.scale
-            self.template_share = LEAN_DECAY * self.template_share + (1 - LEAN_DECAY) * template / total
+            self.template_share = _lean_average(self.template_share, template / total)
 
     def reorder(self, rates: list[float]) -> None:
         """Re-rank the template nodes by estimated path rate (parents always before children)."""
@@ -631,7 +631,7 @@ class TreeBudget:
         if seconds is not None:
             self.latency.observe(rows, batch.num_inputs, seconds, width)
         step = seconds if seconds is not None else self.latency(rows, batch.num_inputs, width)
-        self.step_seconds = step if not self.step_seconds else LEAN_DECAY * self.step_seconds + (1 - LEAN_DECAY) * step
+        self.step_seconds = _lean_average(self.step_seconds, step) if self.step_seconds else step
         if self._expected is not None:
             # an accepted path runs through the row's template columns (1..row_nodes) first, then its branch's;
             # the template columns a branch token merged into count as the branch's (plan_gains)
@@ -648,7 +648,7 @@ class TreeBudget:
             alone = [outcomes[r] for r, m in enumerate(batch.match_lengths) if m == 0]
             if alone:
                 self.branchless.add_rows(alone)
-            self._template_learning = _host_average(self._template_learning or None, time.perf_counter() - t0)
+            self._template_learning = _host_average(self._template_learning, time.perf_counter() - t0)
         if self.context_stats is not None:
             self.context_stats.update(branch_outcomes(batch, acceptance))
 
@@ -661,7 +661,12 @@ def _host_average(old: float | None, seconds: float) -> float:
     would keep such a jump, and the lean steps it caused, for hundreds of steps."""
     if old is None:
         return seconds
-    return min(LEAN_DECAY * old + (1 - LEAN_DECAY) * min(seconds, 2 * old), 2 * seconds)
+    return min(_lean_average(old, min(seconds, 2 * old)), 2 * seconds)
+
+
+def _lean_average(old: float, sample: float) -> float:
+    """One step of the moving averages the lean rule reads (weight 1 - LEAN_DECAY on the sample)."""
+    return LEAN_DECAY * old + (1 - LEAN_DECAY) * sample
 
 
 def _scaled(chain_info: list[tuple[list[int], list[float]]], scale: float) -> list[tuple[list[int], list[float]]]:
