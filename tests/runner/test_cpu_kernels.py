@@ -197,18 +197,41 @@ def test_plan_pads_a_count_up_to_a_faster_larger_count():
     assert ck.plan_from_seconds(close) == ck.KernelPlan((1, 2, 4), ("mkl_nt", "mkl_nt", "onednn"))
 
 
+def test_plan_credits_the_panel_gemm_with_the_c_loop_where_that_takes_the_step():
+    """Only the panel GEMM at a step's exact token count lets the decoder layers' C loop run the step
+    (no Python loop), which the linears' times do not show: the plan cached on this CPU took mkl_nt at
+    1 and 2 tokens on linears 2% faster, and its one-token forwards took 26 ms against 19 with the
+    panel GEMM. Up to C_LOOP_TOKENS the panel GEMM wins unless another kernel is more than
+    1 - C_LOOP_CREDIT faster; above it, and on a padded call, it gets no credit."""
+    assert ck.C_LOOP_TOKENS == 64
+    seconds = {1: {"mkl_nt": 19.45, "panel": 19.82},
+               2: {"mkl_nt": 19.17, "panel": 19.32},
+               4: {"mkl_nt": 17.0, "panel": 21.0},  # mkl_nt over 15% faster: it keeps the count
+               64: {"torch": 90.0, "panel": 95.0},
+               96: {"torch": 139.0, "panel": 141.0}}
+    plan = ck.plan_from_seconds(seconds)
+    assert plan.kernels == ("panel", "panel", "mkl_nt", "panel", "torch")
+    assert ck.plan_from_seconds({1: {"mkl_nt": 19.45, "panel": 19.82}}).kernels == ("panel",)
+    # padding to a larger count: the padded call gets no C loop, so it must beat the credited time
+    padded = {1: {"panel": 30.0}, 2: {"mkl_nt": 24.0}}
+    assert ck.plan_from_seconds(padded).choice(1) == ("mkl_nt", 2)  # 24 < 0.95 * 25.5
+    padded[2]["mkl_nt"] = 25.0  # 25 > 0.95 * 25.5: the count keeps its own panel GEMM and the C loop
+    assert ck.plan_from_seconds(padded).choice(1) == ("panel", 1)
+
+
 def test_plan_keeps_one_prepacked_copy_of_the_weights():
     """oneDNN best at 2 rows, the panel GEMM at 4 and 8: both would keep a repacked copy of every
     weight. The plan drops the one whose absence costs least (here oneDNN: at 2 rows mkl_nt is
     almost as fast)."""
-    seconds = {1: {"mkl_nt": 20.0, "onednn": 28.0, "panel": 22.0},
-               2: {"mkl_nt": 20.5, "onednn": 20.0, "panel": 21.0},
+    seconds = {1: {"mkl_nt": 20.0, "onednn": 28.0, "panel": 25.0},
+               2: {"mkl_nt": 20.5, "onednn": 20.0, "panel": 25.0},
                4: {"mkl_nt": 26.0, "onednn": 24.0, "panel": 20.5},
                8: {"mkl_nt": 43.0, "onednn": 28.0, "panel": 21.5}}
     plan = ck.plan_from_seconds(seconds)
     assert plan == ck.KernelPlan((1, 2, 4, 8), ("mkl_nt", "mkl_nt", "panel", "panel"))
-    # where dropping the panel GEMM costs least, oneDNN stays
-    seconds[4]["panel"], seconds[8]["panel"] = 23.9, 27.9
+    # where dropping the panel GEMM costs least (its times with the C loop's credit just below
+    # oneDNN's), oneDNN stays
+    seconds[4]["panel"], seconds[8]["panel"] = 28.0, 32.8
     assert ck.plan_from_seconds(seconds).kernels == ("mkl_nt", "onednn", "onednn", "onednn")
     assert ck._fastest_plan(seconds)[0].kernels == ("mkl_nt", "onednn", "panel", "panel")
 
