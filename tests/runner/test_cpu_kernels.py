@@ -217,6 +217,15 @@ def test_plan_credits_the_panel_gemm_with_the_c_loop_where_that_takes_the_step()
     assert ck.plan_from_seconds(padded).choice(1) == ("mkl_nt", 2)  # 24 < 0.95 * 25.5
     padded[2]["mkl_nt"] = 25.0  # 25 > 0.95 * 25.5: the count keeps its own panel GEMM and the C loop
     assert ck.plan_from_seconds(padded).choice(1) == ("panel", 1)
+    # where the C loop is not available, no credit: the faster linears win
+    assert ck.plan_from_seconds({1: {"mkl_nt": 19.45, "panel": 19.82}}, credit=1.0).kernels == ("mkl_nt",)
+
+
+def test_the_c_loop_credit_applies_only_where_the_c_loop_is_available(monkeypatch):
+    monkeypatch.setattr(ck.layer_driver.KERNEL, "get", lambda: None)
+    assert ck.c_loop_credit() == 1.0
+    monkeypatch.setattr(ck.layer_driver.KERNEL, "get", lambda: object())
+    assert ck.c_loop_credit() == ck.C_LOOP_CREDIT < 1.0
 
 
 def test_plan_keeps_one_prepacked_copy_of_the_weights():

@@ -51,7 +51,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tr_serve.runner import panel_gemm, tree_attention
+from tr_serve.runner import layer_driver, panel_gemm, tree_attention
 
 logger = logging.getLogger(__name__)
 
@@ -76,6 +76,7 @@ PAD_GAIN = 0.95  # pad a count up to a larger measured one only when that is at 
 # on this 2-core AMD EPYC (SmolLM2-135M, context 256): a plan that took mkl_nt at 1 and 2 tokens on
 # linears 2% faster than the panel GEMM's (19.45 vs 19.82 ms) ran one-token forwards in 26.1 ms (min of
 # 30; median 35.4) against 19.4 (24.3) with the panel GEMM, two-token ones in 29.7 against 20.7 ms.
+# No credit where the C loop is not available here (:func:`c_loop_credit`).
 C_LOOP_CREDIT = 0.85
 C_LOOP_TOKENS = tree_attention.MAX_WIDTH_C_LOOP
 STALL_LIMIT = 0.25  # a sample during which tasks waited for a CPU over 25% of its time was disturbed
@@ -409,19 +410,26 @@ def suspect_points(seconds: dict[int, dict[str, float]]) -> list[int]:
     return out
 
 
-def _compared(n: int, kernel: str, seconds: float) -> float:
-    """The time the plan compares for ``kernel`` at ``n`` tokens run unpadded: the panel GEMM's is
-    credited with the decoder layers' C loop where that takes the step (:data:`C_LOOP_CREDIT`)."""
-    return seconds * C_LOOP_CREDIT if kernel == "panel" and n <= C_LOOP_TOKENS else seconds
+def c_loop_credit() -> float:
+    """:data:`C_LOOP_CREDIT` where the decoder layers' C loop is available in this process (a
+    compiler, its self-check passed, ``TR_SERVE_LAYER_DRIVER`` not 0), else 1.0: no credit."""
+    return C_LOOP_CREDIT if layer_driver.KERNEL.get() is not None else 1.0
 
 
-def _fastest_plan(seconds: dict[int, dict[str, float]]) -> tuple[KernelPlan, list[float]]:
+def _compared(n: int, kernel: str, seconds: float, credit: float) -> float:
+    """The time the plan compares for ``kernel`` at ``n`` tokens run unpadded: the panel GEMM's
+    times ``credit`` where the decoder layers' C loop takes the step (:data:`C_LOOP_CREDIT`)."""
+    return seconds * credit if kernel == "panel" and n <= C_LOOP_TOKENS else seconds
+
+
+def _fastest_plan(seconds: dict[int, dict[str, float]], credit: float = C_LOOP_CREDIT
+                  ) -> tuple[KernelPlan, list[float]]:
     """Per count, the fastest kernel (:func:`_compared` times), or the fastest kernel of a larger
     count with the call padded to that count when that is at least 1 / :data:`PAD_GAIN` times
     faster (a padded call gets no C loop, so no credit); with each count's compared time."""
     points = sorted(seconds)
-    own_k = {n: min(seconds[n], key=lambda k: (_compared(n, k, seconds[n][k]), k)) for n in points}
-    own_t = {n: _compared(n, own_k[n], seconds[n][own_k[n]]) for n in points}
+    own_k = {n: min(seconds[n], key=lambda k: (_compared(n, k, seconds[n][k], credit), k)) for n in points}
+    own_t = {n: _compared(n, own_k[n], seconds[n][own_k[n]], credit) for n in points}
     pad_k = {n: min(seconds[n], key=lambda k: (seconds[n][k], k)) for n in points}
     pad_t = {n: seconds[n][pad_k[n]] for n in points}
     kernels, rows, times = [], [], []
@@ -440,18 +448,19 @@ def _fastest_plan(seconds: dict[int, dict[str, float]]) -> tuple[KernelPlan, lis
     return KernelPlan(tuple(points), tuple(kernels), tuple(rows) if padded else None), times
 
 
-def plan_from_seconds(seconds: dict[int, dict[str, float]]) -> KernelPlan:
-    """The fastest plan (:func:`_fastest_plan`) that keeps at most one prepacked copy of the weights
+def plan_from_seconds(seconds: dict[int, dict[str, float]], credit: float = C_LOOP_CREDIT) -> KernelPlan:
+    """The fastest plan (:func:`_fastest_plan`, the panel GEMM credited by ``credit``:
+    :func:`c_loop_credit` in use) that keeps at most one prepacked copy of the weights
     (:data:`PREPACKED`): when the fastest uses two, the plan without one of them that loses least
     (sum over counts of its time over the fastest plan's time)."""
-    plan, times = _fastest_plan(seconds)
+    plan, times = _fastest_plan(seconds, credit)
     used = [k for k in PREPACKED if k in plan.kernels]
     if len(used) <= 1:
         return plan
     options = []
     for drop in used:
         kept = {n: {k: t for k, t in ts.items() if k != drop} for n, ts in seconds.items()}
-        alt, alt_times = _fastest_plan(kept)
+        alt, alt_times = _fastest_plan(kept, credit)
         loss = sum(a / b for a, b in zip(alt_times, times))
         options.append((loss, PREPACKED.index(drop), alt))
     return min(options, key=lambda o: o[:2])[2]
@@ -534,7 +543,7 @@ def measure_plan(calls: list, points: tuple[int, ...] = POINTS,
             finally:
                 torch.set_num_threads(threads)
     seconds = timings.table()
-    plan = plan_from_seconds(seconds)
+    plan = plan_from_seconds(seconds, c_loop_credit())
     for k in PREPACKED:
         if k in kernels and k not in plan.kernels:
             _unpack(calls, k)  # the packed copies cost as much memory as the weights
@@ -554,7 +563,8 @@ def plan_key(calls: list) -> str:
     shapes = sorted({(m.out_features, m.in_features, m.bias is not None) for m in calls})
     raw = (f"v{PLAN_VERSION}|{shapes}|{len(calls)}|{platform.machine()}|{platform.processor()}"
            f"|threads{torch.get_num_threads()}|{torch.__version__}|{available_kernels()}"
-           f"|panel-{panel_gemm.KERNEL.digest}")  # a plan timed with another panel GEMM is measured again
+           f"|panel-{panel_gemm.KERNEL.digest}"  # a plan timed with another panel GEMM is measured again
+           f"|credit{c_loop_credit()}")  # and one chosen with(out) the C loop's credit where it is not (available)
     return hashlib.sha256(raw.encode()).hexdigest()[:20]
 
 
@@ -575,7 +585,7 @@ def _parse_plan(data: dict) -> tuple[KernelPlan, bool]:
     rows = data.get("rows")
     plan = KernelPlan(tuple(data["points"]), tuple(data["kernels"]), tuple(rows) if rows is not None else None)
     seconds = {int(n): {k: float(t) for k, t in ts.items()} for n, ts in data["seconds"].items()}
-    if sorted(seconds) != list(plan.points) or plan_from_seconds(seconds) != plan:
+    if sorted(seconds) != list(plan.points) or plan_from_seconds(seconds, c_loop_credit()) != plan:
         raise ValueError("the plan does not follow from its recorded timings")
     return plan, bool(data.get("measurement", {}).get("provisional", False))
 
