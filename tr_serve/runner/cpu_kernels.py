@@ -564,7 +564,7 @@ def plan_key(calls: list) -> str:
     raw = (f"v{PLAN_VERSION}|{shapes}|{len(calls)}|{platform.machine()}|{platform.processor()}"
            f"|threads{torch.get_num_threads()}|{torch.__version__}|{available_kernels()}"
            f"|panel-{panel_gemm.KERNEL.digest}"  # a plan timed with another panel GEMM is measured again
-           f"|credit{c_loop_credit()}")  # and one chosen with(out) the C loop's credit where it is not (available)
+           f"|credit{c_loop_credit()}")  # a plan chosen with the C loop's credit is not reused where the loop is off
     return hashlib.sha256(raw.encode()).hexdigest()[:20]
 
 
