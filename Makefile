@@ -33,8 +33,10 @@ generate: setup
 test: setup
 	$(PY) -m pytest tests -n $(TEST_WORKERS) --dist loadgroup $(PYTEST_ARGS)
 
+# the README's single-stream table: the paper's tree, its hybrid and the default (auto) beside
+# plain decoding, same-runner prompt lookup and the transformers reference rows
 bench: setup
-	$(VENV)/bin/tr-serve bench --per-category 2 --json bench_out/bench.json
+	$(VENV)/bin/tr-serve bench --per-category 2 --max-new-tokens 128 --tree 2.2.2 --tree 2.2.2+ctx --tree auto --json bench_out/bench.json
 
 clean:
 	rm -rf $(VENV) bench_out .pytest_cache
