@@ -222,9 +222,9 @@ def test_plan_credits_the_panel_gemm_with_the_c_loop_where_that_takes_the_step()
 
 
 def test_the_c_loop_credit_applies_only_where_the_c_loop_is_available(monkeypatch):
-    monkeypatch.setattr(ck.layer_driver.KERNEL, "get", lambda: None)
+    monkeypatch.setattr(ck.layer_driver, "available", lambda: False)
     assert ck.c_loop_credit() == 1.0
-    monkeypatch.setattr(ck.layer_driver.KERNEL, "get", lambda: object())
+    monkeypatch.setattr(ck.layer_driver, "available", lambda: True)
     assert ck.c_loop_credit() == ck.C_LOOP_CREDIT < 1.0
 
 

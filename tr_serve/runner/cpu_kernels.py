@@ -411,9 +411,9 @@ def suspect_points(seconds: dict[int, dict[str, float]]) -> list[int]:
 
 
 def c_loop_credit() -> float:
-    """:data:`C_LOOP_CREDIT` where the decoder layers' C loop is available in this process (a
-    compiler, its self-check passed, ``TR_SERVE_LAYER_DRIVER`` not 0), else 1.0: no credit."""
-    return C_LOOP_CREDIT if layer_driver.KERNEL.get() is not None else 1.0
+    """:data:`C_LOOP_CREDIT` where the decoder layers' C loop can run in this process
+    (:func:`layer_driver.available`), else 1.0: no credit."""
+    return C_LOOP_CREDIT if layer_driver.available() else 1.0
 
 
 def _compared(n: int, kernel: str, seconds: float, credit: float) -> float:

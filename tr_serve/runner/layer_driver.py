@@ -126,7 +126,7 @@ def prepare(layers, final_norm, cache) -> DriverModel | None:
     do (other linear layouts, biases, widths, norms' epsilons, forward hooks on the linears, which
     the Python loop runs and the C loop would skip) or is not available here. Checked when first
     used for a cache (the runner's body keeps the result); hooks are registered at load time."""
-    if KERNEL.get() is None or not layers:
+    if not layers or not available():
         return None
     first = layers[0].self_attn
     d = first.head_dim  # the rest from the weights: a tensor-parallel shard holds fewer heads than its config says
@@ -161,11 +161,14 @@ def prepare(layers, final_norm, cache) -> DriverModel | None:
     if any(x.dtype != torch.float32 or not x.is_contiguous() for x in tensors):
         return None
     pointers = (ctypes.c_void_p * len(tensors))(*[x.data_ptr() for x in tensors])
-    functions = _kernel_functions()
-    if functions is None:
-        return None
     return DriverModel(tensors, pointers, final_norm.weight.detach().contiguous(), hidden, heads, kv_heads, d,
-                       intermediate, cache.layers[0].keys.shape[2], eps, first.scaling, functions)
+                       intermediate, cache.layers[0].keys.shape[2], eps, first.scaling, _kernel_functions())
+
+
+def available() -> bool:
+    """Whether the C loop can run in this process: its own library and every kernel it calls
+    compiled and passed their self-checks (and ``TR_SERVE_LAYER_DRIVER`` is not 0)."""
+    return KERNEL.get() is not None and _kernel_functions() is not None
 
 
 def _kernel_functions() -> ctypes.Array | None:
