@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 
@@ -291,6 +292,45 @@ def test_measure_plan_interleaves_and_outlasts_one_noisy_sample(monkeypatch):
     assert [k for _, k in round1[:3]] == ["mkl_nt", "onednn", "torch"]
 
 
+@pytest.mark.parametrize("split_faster", [True, False])
+def test_measure_plan_chooses_the_panel_gemms_row_blocks_for_13_to_16_rows(monkeypatch, split_faster):
+    """The panel GEMM's two row-block shapes for 13-16 rows are timed at 16 rows in alternating
+    rounds; the faster is the plan's (``panel_wide_narrow``), its time is the panel GEMM's at 16 in
+    the recorded seconds, the library is left on its default after measuring, and the plan switches
+    the library to its choice while it is active."""
+    state = {"narrow": True, "log": []}
+
+    def fake_set(on):
+        state["narrow"] = bool(on)
+        state["log"].append(bool(on))
+
+    def fake_pass(calls, inputs, kernel, clock=None):
+        n = next(iter(inputs.values())).shape[0]
+        if kernel == "panel" and n == 16:
+            return 0.020 if state["narrow"] != split_faster else 0.030
+        return {"torch": 0.05, "mkl_nt": 0.04, "panel": 0.02 + n / 1000}[kernel]
+
+    monkeypatch.setattr(ck.panel_gemm, "set_wide_narrow", fake_set)
+    monkeypatch.setattr(ck, "_time_pass", fake_pass)
+    monkeypatch.setattr(ck, "available_kernels", lambda: ["torch", "mkl_nt", "panel"])
+    monkeypatch.setattr(ck, "_pack", lambda calls, kernel: None)
+    monkeypatch.setattr(ck, "_cpu_stall", lambda: None)
+    monkeypatch.setattr(ck, "_cpu_busy", lambda: None)
+    calls = ck.kernel_calls(nn.Sequential(_linear(16, 8, False), _linear(8, 16, False)))
+    plan, seconds, _ = ck.measure_plan(calls, points=(1, 8, 16), rounds=3)
+    assert plan.panel_wide_narrow is (not split_faster)
+    assert seconds[16]["panel"] == 0.020 and plan.kernel_for(16) == "panel"
+    assert state["log"].count(False) == 3 and state["narrow"] is True  # three rounds; left on the default
+    assert ck.plan_from_seconds(seconds) == dataclasses.replace(plan, panel_wide_narrow=True)
+    state["log"].clear()
+    with plan.active():
+        assert state["narrow"] is (not split_faster)
+    without_panel = ck.KernelPlan((1, 16), ("mkl_nt", "torch"), panel_wide_narrow=False)
+    with without_panel.active():  # a plan without the panel GEMM leaves the library alone
+        pass
+    assert state["log"] == [not split_faster]
+
+
 def test_measure_plan_times_again_what_only_a_busy_machine_saw(monkeypatch):
     """Every sample of (2, onednn) in the regular rounds runs while other processes hold the CPUs
     (pressure stall over STALL_LIMIT of the sample): inflated 10x, it would lose to mkl_nt. It is timed again
@@ -396,9 +436,13 @@ def test_cached_plan_must_follow_from_its_timings(tmp_path, monkeypatch):
     monkeypatch.setenv("TR_SERVE_CACHE", str(tmp_path))
     good = ck.plan_from_seconds(NOISY)
     data = {"version": ck.PLAN_VERSION, "points": good.points, "kernels": good.kernels, "rows": good.rows,
-            "seconds": {str(n): t for n, t in NOISY.items()}}
+            "panel_wide_narrow": True, "seconds": {str(n): t for n, t in NOISY.items()}}
     assert ck._parse_plan(json.loads(json.dumps(data))) == (good, False)
     assert ck._parse_plan({**data, "measurement": {"provisional": True}}) == (good, True)
+    split = ck._parse_plan(json.loads(json.dumps({**data, "panel_wide_narrow": False})))[0]
+    assert split == dataclasses.replace(good, panel_wide_narrow=False) and split != good
+    with pytest.raises(KeyError):  # a plan that does not say how the panel GEMM runs 13-16 rows
+        ck._parse_plan({k: v for k, v in data.items() if k != "panel_wide_narrow"})
     for bad in ({**data, "version": 1}, {k: v for k, v in data.items() if k != "version"},
                 {**data, "kernels": ["mkl_nt", "torch", "onednn", "onednn", "onednn"], "rows": None}):
         with pytest.raises(ValueError):

@@ -97,6 +97,32 @@ def test_up_to_sixteen_rows_give_each_rows_result_alone(n, threads):
 
 @needs_kernel
 @pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("n", [16, 48, 96, 208])
+def test_both_row_blocks_for_13_to_16_rows_give_each_rows_result_alone(n, threads):
+    """13-16 rows in blocks of 4 over 6 panels (the default) or of 8 over 3 (set_wide_narrow(False),
+    the kernel plan's choice on CPUs where that is faster): the same sums in the same order, so every
+    row's result is its own, bit for bit, under either setting, and the setting can be switched back."""
+    g = torch.Generator().manual_seed(n + 11)
+    w, x = torch.randn(n, 300, generator=g), torch.randn(16, 300, generator=g)
+    try:
+        pg.set_wide_narrow(False)
+        split = assert_each_row_as_alone(w, x, range(13, 17), threads)
+        pg.set_wide_narrow(True)
+        narrow = assert_each_row_as_alone(w, x, range(13, 17), threads)
+    finally:
+        pg.set_wide_narrow(True)
+    assert torch.equal(split, narrow)
+    p = pg.pack(w)
+    pg.set_wide_narrow(False)
+    try:
+        assert torch.equal(pg.linear(x, p, n), narrow)
+    finally:
+        pg.set_wide_narrow(True)
+    assert pg._wide_narrow is True
+
+
+@needs_kernel
+@pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("n", [16, 32, 48, 64, 80, 128, 192, 208, 576])
 def test_rows_past_sixteen_give_each_rows_result_alone(n, threads):
     """Past 16 rows the rows run in blocks of 8 (a chunk of x's 16 rows holds two), 3 panels at a

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import bisect
 import contextlib
+import dataclasses
 import hashlib
 import logging
 import platform
@@ -62,9 +63,10 @@ PREPACKED = ("onednn", "panel")  # kernels that keep a repacked copy of every we
 # prompt tokens (one to four prompts) took 1.01-1.22x as long with torch's linear as with the panel GEMM
 POINTS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 256, 512)
 PACK_HINT = 8  # oneDNN picks its weight layout for this many rows; measured flat from 3 to 16 here
-PLAN_VERSION = 12  # part of the cache key: plans measured by older code (one noisy run each) are measured again
+PLAN_VERSION = 13  # part of the cache key: plans measured by older code (one noisy run each) are measured again
 # (11: the panel GEMM's one-row path got faster, so plans that padded one row to two are measured again;
-# 12: the panel GEMM's credit for the decoder layers' C loop, C_LOOP_CREDIT)
+# 12: the panel GEMM's credit for the decoder layers' C loop, C_LOOP_CREDIT; 13: the panel GEMM's row
+# blocks for 13-16 rows measured, KernelPlan.panel_wide_narrow)
 ROUNDS = 5  # interleaved timing rounds per (count, kernel); the minimum is kept
 CONTENDER = 1.5  # after two rounds, kernels slower than this times the best at a count stop being timed there
 RECHECK = 1.10  # a count whose best time exceeds a larger count's by this factor is measured again
@@ -79,6 +81,7 @@ PAD_GAIN = 0.95  # pad a count up to a larger measured one only when that is at 
 # No credit where the C loop is not available here (:func:`c_loop_credit`).
 C_LOOP_CREDIT = 0.85
 C_LOOP_TOKENS = tree_attention.MAX_WIDTH_C_LOOP
+WIDE_NARROW_POINT = 16  # the count at which the panel GEMM's two row-block shapes for 13-16 rows are compared
 STALL_LIMIT = 0.25  # a sample during which tasks waited for a CPU over 25% of its time was disturbed
 MAX_RETRY_SECONDS = 30.0  # time spent re-timing pairs that only had disturbed samples, at most
 MEASURE_SECONDS = 90.0  # a measurement stops adding rounds after this long (a busy machine slows every pass)
@@ -92,11 +95,14 @@ _state = threading.local()
 class KernelPlan:
     """``kernels[i]`` serves token counts in (points[i-1], points[i]]; counts above the last point use
     torch's own kernel. ``rows[i]``, when given, is the row count those calls are padded to (zero
-    rows appended, their outputs dropped): a larger measured point that runs faster."""
+    rows appended, their outputs dropped): a larger measured point that runs faster.
+    ``panel_wide_narrow``: whether the panel GEMM runs 13-16 rows in its narrow row blocks
+    (:func:`panel_gemm.set_wide_narrow`; the same results either way, the speed measured per CPU)."""
 
     points: tuple[int, ...]
     kernels: tuple[str, ...]
     rows: tuple[int, ...] | None = None
+    panel_wide_narrow: bool = True
 
     def __post_init__(self):
         if len(self.points) != len(self.kernels) or (self.rows is not None and len(self.rows) != len(self.points)):
@@ -126,6 +132,8 @@ class KernelPlan:
     def active(self) -> Iterator[None]:
         previous = getattr(_state, "plan", None)
         _state.plan = self
+        if "panel" in self.kernels:
+            panel_gemm.set_wide_narrow(self.panel_wide_narrow)
         try:
             yield
         finally:
@@ -534,16 +542,22 @@ def measure_plan(calls: list, points: tuple[int, ...] = POINTS,
                          stop=lambda t: t.samples >= 8 and t.disturbed > BUSY_SHARE * t.samples)
             if probe.disturbed <= BUSY_SHARE * probe.samples:
                 timings = _measure(calls, inputs, kernels, points, rounds, deadline, timings=probe, done=1)
+        wide_narrow = True
+        measure_blocks = "panel" in kernels and WIDE_NARROW_POINT in points
         proxy = timings is None
         if proxy:
             threads = torch.get_num_threads()
             torch.set_num_threads(1)
             try:
                 timings = _measure(calls, inputs, kernels, points, rounds, deadline, time.thread_time)
+                if measure_blocks:
+                    wide_narrow = _choose_wide_narrow(calls, inputs, timings, rounds, time.thread_time)
             finally:
                 torch.set_num_threads(threads)
+        elif measure_blocks:
+            wide_narrow = _choose_wide_narrow(calls, inputs, timings, rounds)
     seconds = timings.table()
-    plan = plan_from_seconds(seconds, c_loop_credit())
+    plan = dataclasses.replace(plan_from_seconds(seconds, c_loop_credit()), panel_wide_narrow=wide_narrow)
     for k in PREPACKED:
         if k in kernels and k not in plan.kernels:
             _unpack(calls, k)  # the packed copies cost as much memory as the weights
@@ -557,6 +571,27 @@ def measure_plan(calls: list, points: tuple[int, ...] = POINTS,
         logger.info("kernel timing: %d of %d samples ran while the CPUs were contended", timings.disturbed,
                     timings.samples)
     return plan, seconds, info
+
+
+def _choose_wide_narrow(calls, inputs, timings: Timings, rounds: int, clock=None) -> bool:
+    """Whether the panel GEMM's 13-16-row calls should take its narrow row blocks: both shapes timed
+    at :data:`WIDE_NARROW_POINT` in alternating rounds, the faster kept and its time recorded as the
+    panel GEMM's at that count (with the plan's own samples, taken in the narrow blocks, if it is those).
+    Why measured: blocks of 4 rows over 6 panels ran 16 rows 2.4% faster on a CPU with two 512-bit
+    multiply-adds per cycle per core; blocks of 8 over 3 panels ran them 11% faster on a Zen 4 with one."""
+    n = WIDE_NARROW_POINT
+    best = {True: float("inf"), False: float("inf")}
+    try:
+        for r in range(rounds):
+            for on in ((True, False) if r % 2 == 0 else (False, True)):
+                panel_gemm.set_wide_narrow(on)
+                best[on] = min(best[on], _time_pass(calls, inputs[n], "panel", clock or time.perf_counter))
+    finally:
+        panel_gemm.set_wide_narrow(True)
+    wide_narrow = best[True] <= best[False]
+    own = timings.best.get((n, "panel"), float("inf"))
+    timings.best[n, "panel"] = min(own, best[True]) if wide_narrow else best[False]
+    return wide_narrow
 
 
 def plan_key(calls: list) -> str:
@@ -583,9 +618,11 @@ def _parse_plan(data: dict) -> tuple[KernelPlan, bool]:
     if data.get("version") != PLAN_VERSION:
         raise ValueError(f"plan version {data.get('version')} is not {PLAN_VERSION}")
     rows = data.get("rows")
-    plan = KernelPlan(tuple(data["points"]), tuple(data["kernels"]), tuple(rows) if rows is not None else None)
+    plan = KernelPlan(tuple(data["points"]), tuple(data["kernels"]), tuple(rows) if rows is not None else None,
+                      bool(data["panel_wide_narrow"]))
     seconds = {int(n): {k: float(t) for k, t in ts.items()} for n, ts in data["seconds"].items()}
-    if sorted(seconds) != list(plan.points) or plan_from_seconds(seconds, c_loop_credit()) != plan:
+    derived = dataclasses.replace(plan_from_seconds(seconds, c_loop_credit()), panel_wide_narrow=plan.panel_wide_narrow)
+    if sorted(seconds) != list(plan.points) or derived != plan:
         raise ValueError("the plan does not follow from its recorded timings")
     return plan, bool(data.get("measurement", {}).get("provisional", False))
 
@@ -625,7 +662,8 @@ def select_plan(model: nn.Module) -> KernelPlan | None:
         logger.info("measuring CPU linear kernels (cached in %s)", path)
         plan, seconds, info = measure_plan(calls)  # packs the weights for the kernels it keeps
         save_json(path, {"version": PLAN_VERSION, "points": plan.points, "kernels": plan.kernels,
-                         "rows": plan.rows, "seconds": {str(n): t for n, t in seconds.items()},
+                         "rows": plan.rows, "panel_wide_narrow": plan.panel_wide_narrow,
+                         "seconds": {str(n): t for n, t in seconds.items()},
                          "measurement": info}, "kernel plan")
         return plan
 

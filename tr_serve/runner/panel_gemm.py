@@ -174,7 +174,17 @@ DEFINE_GROUP_Y(9, 2)
 #define NARROW_ROWS 4
 #define NARROW_PANELS 6
 #define NARROW_MAX_ROWS 16
-static inline int narrow(int64_t M) { return (M >= 7 && M <= 8) || (M >= 13 && M <= NARROW_MAX_ROWS); }
+/* whether 13-16 rows take the narrow blocks too (tr_panel_gemm_set_wide_narrow): where they are faster
+   depends on the CPU, so the kernel plan measures both (cpu_kernels.py). Both give the same sums in the
+   same order. On this 2-core AMD EPYC Zen 4 (one 512-bit multiply-add per cycle per core), SmolLM2-135M's
+   linears and LM head, 2 threads, medians of 9: 13 rows 25.6-27.5 -> 21.4-23.6 ms, 16 rows 27.9-29.9 ->
+   24.6-26.4 in blocks of 8 over 3 panels, while the CPU the narrow blocks were measured on (two per
+   cycle) ran 16 rows 2.4% faster in them */
+static int wide_narrow = 1;
+void tr_panel_gemm_set_wide_narrow(int on) { wide_narrow = on != 0; }
+static inline int narrow(int64_t M) {
+    return (M >= 7 && M <= 8) || (wide_narrow && M >= 13 && M <= NARROW_MAX_ROWS);
+}
 #if NARROW_ROWS * NARROW_PANELS != SPLIT_SLOT
 #error "both row-block shapes share the scratch slot's size"
 #endif
@@ -396,3 +406,17 @@ def linear(x: torch.Tensor, panels: torch.Tensor, n: int, bias: torch.Tensor | N
     if bias is not None:
         y = y + bias
     return y
+
+
+_wide_narrow = True  # the library's setting (its default); set_wide_narrow skips the call when unchanged
+
+
+def set_wide_narrow(on: bool) -> None:
+    """Whether calls of 13-16 rows take the narrow row blocks (blocks of 4 rows over 6 panels, the
+    default) or blocks of 8 over 3 panels. The sums and their order are the same either way; which
+    is faster depends on the CPU, so the kernel plan measures both (``cpu_kernels.measure_plan``)."""
+    global _wide_narrow
+    lib = KERNEL.get()
+    if lib is not None and bool(on) != _wide_narrow:
+        lib.tr_panel_gemm_set_wide_narrow(int(bool(on)))
+        _wide_narrow = bool(on)
