@@ -14,7 +14,8 @@ row's ``x[m, k]`` (a fused multiply-add per row). Calls of up to 6 rows and of 9
 at once (more weight streams in flight, as many as the registers hold: 4 up to 6 rows, 3 for 9; 5, 6
 and 9 rows keep their running totals in the output to make room). 7-8 and 13-16 rows take 6 panels
 at a time in blocks of 4 rows per sub-block of 64 k, the blocks after the first reading the
-weights from the L1 cache: the stream's speed follows the number of panels read at once. Calls of
+weights from the L1 cache: the stream's speed follows the number of panels read at once (13-16
+rows only where the kernel plan measured that faster: :func:`set_wide_narrow`). Calls of
 10-12 rows and 17 or more take 3 panels at a time and their rows in blocks of 8 per sub-block of 64
 k (whole 128-k blocks above 24 rows): the sub-block's weights come from memory for the first 8 rows
 and from the L1 cache for the rest, so 3 weight streams stay in flight (one panel at a time for 16
