@@ -18,9 +18,9 @@ def test_provenance_records():
     object.__setattr__(padding, "rows", (2, 4, 16))  # a plan that runs 1-token calls on 2 rows
     assert kernel_plan_record(padding)["padded_rows"] == {"1": 2}
     assert "panel_wide_narrow" not in kernel_plan_record(plan)
-    panel = KernelPlan((1, 16), ("panel", "panel"), panel_wide_narrow=False)
+    panel = KernelPlan((1, 16), ("panel", "panel"), panel_wide_narrow=False, panel_prefetch_l2=(True, False))
     assert kernel_plan_record(panel) == {"per_token_count": {"1": "panel", "16": "panel"}, "above": "torch",
-                                         "panel_wide_narrow": False}
+                                         "panel_wide_narrow": False, "panel_prefetch_l2": {"1": True, "16": False}}
     assert template_sha256([(0,), (0, 0)]) == hashlib.sha256(b"[[0], [0, 0]]").hexdigest()
     assert template_sha256([(0,), (1,)]) != template_sha256([(1,), (0,)])  # the order is part of the tree
     _, paper = load_template("2.2.2", 8)

@@ -293,42 +293,56 @@ def test_measure_plan_interleaves_and_outlasts_one_noisy_sample(monkeypatch):
 
 
 @pytest.mark.parametrize("split_faster", [True, False])
-def test_measure_plan_chooses_the_panel_gemms_row_blocks_for_13_to_16_rows(monkeypatch, split_faster):
-    """The panel GEMM's two row-block shapes for 13-16 rows are timed at 16 rows in alternating
-    rounds; the faster is the plan's (``panel_wide_narrow``), its time is the panel GEMM's at 16 in
-    the recorded seconds, the library is left on its default after measuring, and the plan switches
-    the library to its choice while it is active."""
-    state = {"narrow": True, "log": []}
+def test_measure_plan_chooses_the_panel_gemms_settings_per_count(monkeypatch, split_faster):
+    """The panel GEMM's prefetch level (L1, L2) is timed at every count up to PREFETCH_L2_MAX_ROWS, and
+    at 16 rows with both row-block shapes for 13-16 rows, in interleaved rounds; per count the fastest
+    setting is the plan's, its time is the panel GEMM's in the recorded seconds, the library is left
+    on its defaults after measuring, and the plan sets the library while it is active."""
+    state = {"narrow": True, "l2": frozenset(), "log": []}
 
-    def fake_set(on):
+    def fake_wide(on):
         state["narrow"] = bool(on)
-        state["log"].append(bool(on))
+
+    def fake_l2(rows):
+        state["l2"] = frozenset(rows)
+        state["log"].append(state["l2"])
 
     def fake_pass(calls, inputs, kernel, clock=None):
         n = next(iter(inputs.values())).shape[0]
-        if kernel == "panel" and n == 16:
-            return 0.020 if state["narrow"] != split_faster else 0.030
-        return {"torch": 0.05, "mkl_nt": 0.04, "panel": 0.02 + n / 1000}[kernel]
+        if kernel != "panel":
+            return {"torch": 0.05, "mkl_nt": 0.04}[kernel]
+        t = 0.020 + n / 1000
+        if n in state["l2"]:  # L2 pays at 1 and 8 rows, costs at 16 and 96 (above the table: never timed)
+            t += -0.005 if n in (1, 8) else 0.005
+        if n == 16 and state["narrow"] == split_faster:
+            t += 0.010
+        return t
 
-    monkeypatch.setattr(ck.panel_gemm, "set_wide_narrow", fake_set)
+    monkeypatch.setattr(ck.panel_gemm, "set_wide_narrow", fake_wide)
+    monkeypatch.setattr(ck.panel_gemm, "set_prefetch_l2", fake_l2)
     monkeypatch.setattr(ck, "_time_pass", fake_pass)
     monkeypatch.setattr(ck, "available_kernels", lambda: ["torch", "mkl_nt", "panel"])
     monkeypatch.setattr(ck, "_pack", lambda calls, kernel: None)
     monkeypatch.setattr(ck, "_cpu_stall", lambda: None)
     monkeypatch.setattr(ck, "_cpu_busy", lambda: None)
     calls = ck.kernel_calls(nn.Sequential(_linear(16, 8, False), _linear(8, 16, False)))
-    plan, seconds, _ = ck.measure_plan(calls, points=(1, 8, 16), rounds=3)
+    plan, seconds, _ = ck.measure_plan(calls, points=(1, 8, 16, 96), rounds=3)
     assert plan.panel_wide_narrow is (not split_faster)
-    assert seconds[16]["panel"] == 0.020 and plan.kernel_for(16) == "panel"
-    assert state["log"].count(False) == 3 and state["narrow"] is True  # three rounds; left on the default
-    assert ck.plan_from_seconds(seconds) == dataclasses.replace(plan, panel_wide_narrow=True)
-    state["log"].clear()
+    assert plan.panel_prefetch_l2 == (True, True, False, False)
+    assert seconds[1]["panel"] == pytest.approx(0.016) and seconds[8]["panel"] == pytest.approx(0.023)
+    assert seconds[16]["panel"] == pytest.approx(0.036) and seconds[96]["panel"] == pytest.approx(0.116)
+    assert frozenset({96}) not in state["log"]  # past the library's table: L1 always
+    assert state["narrow"] is True and state["l2"] == frozenset()  # left on the defaults
+    assert ck.plan_from_seconds(seconds) == dataclasses.replace(plan, panel_wide_narrow=True, panel_prefetch_l2=None)
+    assert plan.prefetch_l2_rows == frozenset(range(1, 9))  # the buckets of 1 and 8 rows
     with plan.active():
-        assert state["narrow"] is (not split_faster)
-    without_panel = ck.KernelPlan((1, 16), ("mkl_nt", "torch"), panel_wide_narrow=False)
+        assert state["narrow"] is (not split_faster) and state["l2"] == frozenset(range(1, 9))
+    state["log"].clear()
+    without_panel = ck.KernelPlan((1, 16), ("mkl_nt", "torch"), panel_wide_narrow=False,
+                                  panel_prefetch_l2=(True, True))
     with without_panel.active():  # a plan without the panel GEMM leaves the library alone
         pass
-    assert state["log"] == [not split_faster]
+    assert state["log"] == []
 
 
 def test_measure_plan_times_again_what_only_a_busy_machine_saw(monkeypatch):
@@ -436,13 +450,17 @@ def test_cached_plan_must_follow_from_its_timings(tmp_path, monkeypatch):
     monkeypatch.setenv("TR_SERVE_CACHE", str(tmp_path))
     good = ck.plan_from_seconds(NOISY)
     data = {"version": ck.PLAN_VERSION, "points": good.points, "kernels": good.kernels, "rows": good.rows,
-            "panel_wide_narrow": True, "seconds": {str(n): t for n, t in NOISY.items()}}
+            "panel_wide_narrow": True, "panel_prefetch_l2": None, "seconds": {str(n): t for n, t in NOISY.items()}}
     assert ck._parse_plan(json.loads(json.dumps(data))) == (good, False)
     assert ck._parse_plan({**data, "measurement": {"provisional": True}}) == (good, True)
-    split = ck._parse_plan(json.loads(json.dumps({**data, "panel_wide_narrow": False})))[0]
-    assert split == dataclasses.replace(good, panel_wide_narrow=False) and split != good
-    with pytest.raises(KeyError):  # a plan that does not say how the panel GEMM runs 13-16 rows
-        ck._parse_plan({k: v for k, v in data.items() if k != "panel_wide_narrow"})
+    l2 = [True, False, True, False, False]
+    tuned = ck._parse_plan(json.loads(json.dumps({**data, "panel_wide_narrow": False, "panel_prefetch_l2": l2})))[0]
+    assert tuned == dataclasses.replace(good, panel_wide_narrow=False, panel_prefetch_l2=tuple(l2)) and tuned != good
+    for key in ("panel_wide_narrow", "panel_prefetch_l2"):  # a plan that does not say how the panel GEMM runs
+        with pytest.raises(KeyError):
+            ck._parse_plan({k: v for k, v in data.items() if k != key})
+    with pytest.raises(ValueError):  # one prefetch setting per point
+        ck._parse_plan({**data, "panel_prefetch_l2": [True]})
     for bad in ({**data, "version": 1}, {k: v for k, v in data.items() if k != "version"},
                 {**data, "kernels": ["mkl_nt", "torch", "onednn", "onednn", "onednn"], "rows": None}):
         with pytest.raises(ValueError):

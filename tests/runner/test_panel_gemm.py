@@ -123,6 +123,30 @@ def test_both_row_blocks_for_13_to_16_rows_give_each_rows_result_alone(n, thread
 
 @needs_kernel
 @pytest.mark.parametrize("threads", [1, 2])
+def test_prefetch_into_l2_gives_the_same_results(threads):
+    """A prefetch into L2 instead of L1 (set_prefetch_l2, per row count, the kernel plan's choice on
+    CPUs where it is faster) changes no result: every path (groups of 1-6 and 9 rows, blocks of 4
+    and of 8) gives the same bits, rows past the library's table (64) stay on L1."""
+    g = torch.Generator().manual_seed(5)
+    w, x = torch.randn(208, 300, generator=g), torch.randn(72, 300, generator=g)
+    p = pg.pack(w)
+    counts = (1, 2, 4, 5, 6, 7, 8, 9, 10, 12, 13, 16, 17, 24, 64, 72)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        l1 = {m: pg.linear(x[:m], p, 208) for m in counts}
+        pg.set_prefetch_l2(counts)
+        assert pg._prefetch_l2 == frozenset(c for c in counts if c <= pg.PREFETCH_L2_MAX_ROWS)
+        for m in counts:
+            assert torch.equal(pg.linear(x[:m], p, 208), l1[m]), m
+    finally:
+        pg.set_prefetch_l2(())
+        torch.set_num_threads(before)
+    assert pg._prefetch_l2 == frozenset()
+
+
+@needs_kernel
+@pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("n", [16, 32, 48, 64, 80, 128, 192, 208, 576])
 def test_rows_past_sixteen_give_each_rows_result_alone(n, threads):
     """Past 16 rows the rows run in blocks of 8 (a chunk of x's 16 rows holds two), 3 panels at a

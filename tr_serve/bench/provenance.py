@@ -14,14 +14,17 @@ def kernel_plan_record(plan) -> dict[str, Any] | str:
     a GPU, or a non-fp32 model); else the kernel the plan runs at each measured token count (a count
     between two points takes the next point's kernel), the one above the last point and, for a plan
     that pads calls to more rows (``KernelPlan.rows``), the row count of each padded point; and, where
-    the panel GEMM runs, whether its 13-16-row calls take the narrow row blocks."""
+    the panel GEMM runs, whether its 13-16-row calls take the narrow row blocks and, per count, whether
+    it prefetches the weights into L2."""
     if plan is None:
         return "torch"
     points = [int(n) for n in plan.points]
     out = {"per_token_count": {str(n): plan.kernel_for(n) for n in points},
            "above": plan.kernel_for(points[-1] + 1) if points else "torch"}
-    if "panel" in out["per_token_count"].values():  # the panel GEMM's row blocks for 13-16 rows (measured)
+    if "panel" in out["per_token_count"].values():  # the panel GEMM's settings the plan measured
         out["panel_wide_narrow"] = bool(getattr(plan, "panel_wide_narrow", True))
+        l2 = getattr(plan, "panel_prefetch_l2", None)
+        out["panel_prefetch_l2"] = {str(n): bool(on) for n, on in zip(points, l2)} if l2 is not None else None
     rows = getattr(plan, "rows", None)
     if rows is not None:
         padded = {str(n): int(r) for n, r in zip(points, rows) if int(r) != n}

@@ -40,6 +40,7 @@ from __future__ import annotations
 import bisect
 import contextlib
 import dataclasses
+import functools
 import hashlib
 import logging
 import platform
@@ -66,7 +67,8 @@ PACK_HINT = 8  # oneDNN picks its weight layout for this many rows; measured fla
 PLAN_VERSION = 13  # part of the cache key: plans measured by older code (one noisy run each) are measured again
 # (11: the panel GEMM's one-row path got faster, so plans that padded one row to two are measured again;
 # 12: the panel GEMM's credit for the decoder layers' C loop, C_LOOP_CREDIT; 13: the panel GEMM's row
-# blocks for 13-16 rows measured, KernelPlan.panel_wide_narrow)
+# blocks for 13-16 rows and its prefetch level per count measured, KernelPlan.panel_wide_narrow and
+# panel_prefetch_l2)
 ROUNDS = 5  # interleaved timing rounds per (count, kernel); the minimum is kept
 CONTENDER = 1.5  # after two rounds, kernels slower than this times the best at a count stop being timed there
 RECHECK = 1.10  # a count whose best time exceeds a larger count's by this factor is measured again
@@ -82,6 +84,7 @@ PAD_GAIN = 0.95  # pad a count up to a larger measured one only when that is at 
 C_LOOP_CREDIT = 0.85
 C_LOOP_TOKENS = tree_attention.MAX_WIDTH_C_LOOP
 WIDE_NARROW_POINT = 16  # the count at which the panel GEMM's two row-block shapes for 13-16 rows are compared
+PANEL_DEFAULT = (True, False)  # the panel GEMM's (wide_narrow, prefetch_l2) when the plan's rounds time it
 STALL_LIMIT = 0.25  # a sample during which tasks waited for a CPU over 25% of its time was disturbed
 MAX_RETRY_SECONDS = 30.0  # time spent re-timing pairs that only had disturbed samples, at most
 MEASURE_SECONDS = 90.0  # a measurement stops adding rounds after this long (a busy machine slows every pass)
@@ -97,12 +100,15 @@ class KernelPlan:
     torch's own kernel. ``rows[i]``, when given, is the row count those calls are padded to (zero
     rows appended, their outputs dropped): a larger measured point that runs faster.
     ``panel_wide_narrow``: whether the panel GEMM runs 13-16 rows in its narrow row blocks
-    (:func:`panel_gemm.set_wide_narrow`; the same results either way, the speed measured per CPU)."""
+    (:func:`panel_gemm.set_wide_narrow`); ``panel_prefetch_l2[i]``, when given: whether its calls
+    in point i's bucket prefetch the weights into L2 (:func:`panel_gemm.set_prefetch_l2`). The same
+    results either way; the speed is measured per CPU."""
 
     points: tuple[int, ...]
     kernels: tuple[str, ...]
     rows: tuple[int, ...] | None = None
     panel_wide_narrow: bool = True
+    panel_prefetch_l2: tuple[bool, ...] | None = None
 
     def __post_init__(self):
         if len(self.points) != len(self.kernels) or (self.rows is not None and len(self.rows) != len(self.points)):
@@ -113,6 +119,17 @@ class KernelPlan:
             raise ValueError(f"points must be increasing positive counts, got {self.points}")
         if self.rows is not None and any(r < p for r, p in zip(self.rows, self.points)):
             raise ValueError("a padded row count is below its point")
+        if self.panel_prefetch_l2 is not None and len(self.panel_prefetch_l2) != len(self.points):
+            raise ValueError("panel_prefetch_l2 needs one entry per point")
+
+    @functools.cached_property
+    def prefetch_l2_rows(self) -> frozenset[int]:
+        """The row counts whose panel GEMM calls prefetch into L2: every count of the buckets marked so."""
+        if self.panel_prefetch_l2 is None:
+            return frozenset()
+        bounds = (0, *self.points)
+        return frozenset(n for i, on in enumerate(self.panel_prefetch_l2) if on
+                         for n in range(bounds[i] + 1, bounds[i + 1] + 1))
 
     def kernel_for(self, n: int) -> str:
         i = bisect.bisect_left(self.points, n)
@@ -134,6 +151,7 @@ class KernelPlan:
         _state.plan = self
         if "panel" in self.kernels:
             panel_gemm.set_wide_narrow(self.panel_wide_narrow)
+            panel_gemm.set_prefetch_l2(self.prefetch_l2_rows)
         try:
             yield
         finally:
@@ -542,22 +560,21 @@ def measure_plan(calls: list, points: tuple[int, ...] = POINTS,
                          stop=lambda t: t.samples >= 8 and t.disturbed > BUSY_SHARE * t.samples)
             if probe.disturbed <= BUSY_SHARE * probe.samples:
                 timings = _measure(calls, inputs, kernels, points, rounds, deadline, timings=probe, done=1)
-        wide_narrow = True
-        measure_blocks = "panel" in kernels and WIDE_NARROW_POINT in points
+        settings = {}
         proxy = timings is None
         if proxy:
             threads = torch.get_num_threads()
             torch.set_num_threads(1)
             try:
                 timings = _measure(calls, inputs, kernels, points, rounds, deadline, time.thread_time)
-                if measure_blocks:
-                    wide_narrow = _choose_wide_narrow(calls, inputs, timings, rounds, time.thread_time)
+                if "panel" in kernels:
+                    settings = _panel_settings(calls, inputs, timings, points, rounds, time.thread_time)
             finally:
                 torch.set_num_threads(threads)
-        elif measure_blocks:
-            wide_narrow = _choose_wide_narrow(calls, inputs, timings, rounds)
+        elif "panel" in kernels:
+            settings = _panel_settings(calls, inputs, timings, points, rounds)
     seconds = timings.table()
-    plan = dataclasses.replace(plan_from_seconds(seconds, c_loop_credit()), panel_wide_narrow=wide_narrow)
+    plan = dataclasses.replace(plan_from_seconds(seconds, c_loop_credit()), **settings)
     for k in PREPACKED:
         if k in kernels and k not in plan.kernels:
             _unpack(calls, k)  # the packed copies cost as much memory as the weights
@@ -573,25 +590,58 @@ def measure_plan(calls: list, points: tuple[int, ...] = POINTS,
     return plan, seconds, info
 
 
-def _choose_wide_narrow(calls, inputs, timings: Timings, rounds: int, clock=None) -> bool:
-    """Whether the panel GEMM's 13-16-row calls should take its narrow row blocks: both shapes timed
-    at :data:`WIDE_NARROW_POINT` in alternating rounds, the faster kept and its time recorded as the
-    panel GEMM's at that count (with the plan's own samples, taken in the narrow blocks, if it is those).
-    Why measured: blocks of 4 rows over 6 panels ran 16 rows 2.4% faster on a CPU with two 512-bit
-    multiply-adds per cycle per core; blocks of 8 over 3 panels ran them 11% faster on a Zen 4 with one."""
-    n = WIDE_NARROW_POINT
-    best = {True: float("inf"), False: float("inf")}
+def _panel_variants(n: int) -> list[tuple[bool, bool]]:
+    """The panel GEMM's settings (wide_narrow, prefetch_l2) worth timing at ``n`` rows."""
+    variants = [PANEL_DEFAULT, (True, True)]
+    if n == WIDE_NARROW_POINT:
+        variants += [(False, False), (False, True)]
+    return variants
+
+
+def _choose_panel_settings(calls, inputs, timings: Timings, points: tuple[int, ...], rounds: int,
+                           clock=None) -> tuple[bool, tuple[bool, ...]]:
+    """The panel GEMM's settings for the plan: at every count up to its
+    :data:`panel_gemm.PREFETCH_L2_MAX_ROWS`, its prefetch into L1 or L2, and at
+    :data:`WIDE_NARROW_POINT` also its row blocks for 13-16 rows, each setting timed in interleaved
+    rounds; per count the fastest is kept and its time recorded as the panel GEMM's (with the plan's
+    own samples, taken with the defaults, where the defaults win). Returns (wide_narrow, prefetch_l2
+    per point). Why measured: blocks of 4 rows over 6 panels ran 16 rows 2.4% faster on a CPU with
+    two 512-bit multiply-adds per cycle per core, blocks of 8 over 3 panels 11% faster on a Zen 4 with
+    one; on that Zen 4 a prefetch into L2 ran 1-12 rows 4-16% faster and 24-48 rows up to 8% slower."""
+    counts = [n for n in points if n <= panel_gemm.PREFETCH_L2_MAX_ROWS]
+    best: dict[tuple[int, tuple[bool, bool]], float] = {}
     try:
         for r in range(rounds):
-            for on in ((True, False) if r % 2 == 0 else (False, True)):
-                panel_gemm.set_wide_narrow(on)
-                best[on] = min(best[on], _time_pass(calls, inputs[n], "panel", clock or time.perf_counter))
+            for n in (counts if r % 2 == 0 else counts[::-1]):
+                variants = _panel_variants(n)
+                for i in range(len(variants)):
+                    wide_narrow, l2 = variants[(i + r) % len(variants)]
+                    panel_gemm.set_wide_narrow(wide_narrow)
+                    panel_gemm.set_prefetch_l2((n,) if l2 else ())
+                    seconds = _time_pass(calls, inputs[n], "panel", clock or time.perf_counter)
+                    best[n, (wide_narrow, l2)] = min(best.get((n, (wide_narrow, l2)), float("inf")), seconds)
     finally:
-        panel_gemm.set_wide_narrow(True)
-    wide_narrow = best[True] <= best[False]
-    own = timings.best.get((n, "panel"), float("inf"))
-    timings.best[n, "panel"] = min(own, best[True]) if wide_narrow else best[False]
-    return wide_narrow
+        panel_gemm.set_wide_narrow(PANEL_DEFAULT[0])
+        panel_gemm.set_prefetch_l2(())
+    wide_narrow, prefetch_l2 = PANEL_DEFAULT[0], []
+    for n in points:
+        if n not in counts:
+            prefetch_l2.append(False)
+            continue
+        own = timings.best.get((n, "panel"), float("inf"))
+        best[n, PANEL_DEFAULT] = min(best[n, PANEL_DEFAULT], own)
+        chosen = min(_panel_variants(n), key=lambda v: (best[n, v], v != PANEL_DEFAULT))
+        timings.best[n, "panel"] = best[n, chosen]
+        prefetch_l2.append(chosen[1])
+        if n == WIDE_NARROW_POINT:
+            wide_narrow = chosen[0]
+    return wide_narrow, tuple(prefetch_l2)
+
+
+def _panel_settings(calls, inputs, timings: Timings, points, rounds: int, clock=None) -> dict:
+    """:func:`_choose_panel_settings` as :class:`KernelPlan` fields."""
+    wide_narrow, prefetch_l2 = _choose_panel_settings(calls, inputs, timings, points, rounds, clock)
+    return {"panel_wide_narrow": wide_narrow, "panel_prefetch_l2": prefetch_l2}
 
 
 def plan_key(calls: list) -> str:
@@ -618,10 +668,12 @@ def _parse_plan(data: dict) -> tuple[KernelPlan, bool]:
     if data.get("version") != PLAN_VERSION:
         raise ValueError(f"plan version {data.get('version')} is not {PLAN_VERSION}")
     rows = data.get("rows")
+    l2 = data["panel_prefetch_l2"]
     plan = KernelPlan(tuple(data["points"]), tuple(data["kernels"]), tuple(rows) if rows is not None else None,
-                      bool(data["panel_wide_narrow"]))
+                      bool(data["panel_wide_narrow"]), tuple(bool(x) for x in l2) if l2 is not None else None)
     seconds = {int(n): {k: float(t) for k, t in ts.items()} for n, ts in data["seconds"].items()}
-    derived = dataclasses.replace(plan_from_seconds(seconds, c_loop_credit()), panel_wide_narrow=plan.panel_wide_narrow)
+    derived = dataclasses.replace(plan_from_seconds(seconds, c_loop_credit()), panel_wide_narrow=plan.panel_wide_narrow,
+                                  panel_prefetch_l2=plan.panel_prefetch_l2)
     if sorted(seconds) != list(plan.points) or derived != plan:
         raise ValueError("the plan does not follow from its recorded timings")
     return plan, bool(data.get("measurement", {}).get("provisional", False))
@@ -663,6 +715,7 @@ def select_plan(model: nn.Module) -> KernelPlan | None:
         plan, seconds, info = measure_plan(calls)  # packs the weights for the kernels it keeps
         save_json(path, {"version": PLAN_VERSION, "points": plan.points, "kernels": plan.kernels,
                          "rows": plan.rows, "panel_wide_narrow": plan.panel_wide_narrow,
+                         "panel_prefetch_l2": plan.panel_prefetch_l2,
                          "seconds": {str(n): t for n, t in seconds.items()},
                          "measurement": info}, "kernel plan")
         return plan

@@ -25,7 +25,8 @@ lines before it ends (``pf_line``), so a new group never starts cold. The same v
 written with GCC vector extensions and compiled with ``-march=native`` by the C compiler found at
 start-up (``$CC``, ``cc`` or ``gcc``), so it uses AVX-512 where the CPU has it and AVX2 or NEON
 elsewhere. It runs on torch's own OpenMP team (the library links ``libgomp.so.1``, which resolves to
-the copy torch has already loaded), so it never competes with torch's threads.
+the copy torch has already loaded), so it never competes with torch's threads. Per row count, the
+weights are prefetched into L1 or into L2, as the kernel plan measured faster (:func:`set_prefetch_l2`).
 
 Arithmetic: each output is the sum over k of ``x[m, k] * w[n, k]``, accumulated in fp32 by fused
 multiply-adds in blocks of 128 k (blocks added in order). The order does not depend on the number
@@ -39,6 +40,7 @@ fails, :func:`load` returns None and the kernel plan never offers this kernel.
 from __future__ import annotations
 
 import ctypes
+from typing import Iterable
 
 import torch
 import torch.nn.functional as F
@@ -73,13 +75,15 @@ static inline const float *pf_line(const float *p, int64_t K, int NP, int64_t l)
 
 /* acc[NP][MM] += the products of k in [k0, k1) of NP consecutive panels at p with MM rows of xt (x
    transposed, [K][16]), by fused multiply-adds in k order; at each k, PF_AT (an expression of k) is
-   prefetched for the first panel and the same offset for the others */
+   prefetched for the first panel and the same offset for the others, into L2 where l2 (a parameter of
+   every kernel below) is set, else into L1 */
 #define PRODUCTS(MM, NP, PF_AT)                                                                      \
     for (int64_t k = k0; k < k1; k++) {                                                              \
         const float *xk = xt + k * 16, *pf = (PF_AT);                                                \
         for (int j = 0; j < NP; j++) {                                                               \
             const float *pj = p + j * K * 16 + k * 16;                                               \
-            __builtin_prefetch(pf + j * K * 16, 0, 3);                                               \
+            if (l2) __builtin_prefetch(pf + j * K * 16, 0, 2);                                       \
+            else __builtin_prefetch(pf + j * K * 16, 0, 3);                                          \
             v16 w;                                                                                   \
             memcpy(&w, pj, sizeof w);                                                                \
             for (int m = 0; m < MM; m++) acc[j][m] += w * xk[m];                                     \
@@ -105,7 +109,7 @@ static inline const float *pf_line(const float *p, int64_t K, int NP, int64_t l)
    more panels at once */
 #define DEFINE_GROUP_AS(NAME, MM, NP, IN_Y)                                                          \
 static void NAME(const float *restrict xt, const float *restrict p, int64_t K,                       \
-                 float *restrict y, int64_t ldy) {                                                   \
+                 float *restrict y, int64_t ldy, int l2) {                                           \
     v16 tot[NP][MM];                                                                                 \
     for (int j = 0; j < NP; j++)                                                                     \
         for (int m = 0; m < MM; m++) {                                                               \
@@ -183,6 +187,17 @@ DEFINE_GROUP_Y(9, 2)
    cycle) ran 16 rows 2.4% faster in them */
 static int wide_narrow = 1;
 void tr_panel_gemm_set_wide_narrow(int on) { wide_narrow = on != 0; }
+/* per row count, whether the weight stream is prefetched into L2 (1) instead of L1 (0, the default);
+   set by the kernel plan (tr_panel_gemm_set_prefetch_l2), which measures both: which is faster depends
+   on the CPU. Same results either way. On this 2-core AMD EPYC Zen 4, SmolLM2-135M's linears and LM head,
+   2 threads, medians of 9: 1 row 15.4-15.7 -> 13.5 ms, 4 rows 16.2-16.7 -> 14.0, 8 rows 19.4-19.6 ->
+   16.5, 12 rows 22.9-23.5 -> 22.5, 16 rows level, 24 rows level (a software prefetch into L2 holds no
+   L1 miss buffer, so more of the stream is in flight) */
+#define PREFETCH_L2_MAX_ROWS 64
+static unsigned char prefetch_l2[PREFETCH_L2_MAX_ROWS + 1];
+void tr_panel_gemm_set_prefetch_l2(int64_t rows, int on) {
+    if (rows >= 1 && rows <= PREFETCH_L2_MAX_ROWS) prefetch_l2[rows] = on != 0;
+}
 static inline int narrow(int64_t M) {
     return (M >= 7 && M <= 8) || (wide_narrow && M >= 13 && M <= NARROW_MAX_ROWS);
 }
@@ -193,7 +208,8 @@ static inline int narrow(int64_t M) {
 #define DEFINE_SPLIT(R, MM, NP)                                                                      \
 static void split##R##_##MM##_##NP(const float *restrict xt, const float *restrict p, int64_t K,     \
                               float *restrict y, int64_t ldy, v16 *restrict s, int64_t k0,          \
-                              int64_t k1, int first, int last, const float *pf0, int64_t pf_step) { \
+                              int64_t k1, int first, int last, const float *pf0, int64_t pf_step,   \
+                              int l2) {                                                             \
     v16 acc[NP][MM];                                                                                 \
     for (int j = 0; j < NP; j++)                                                                     \
         for (int m = 0; m < MM; m++) acc[j][m] = first ? (v16){0} : s[j * R + m];                    \
@@ -208,7 +224,7 @@ DEFINE_SPLITS(1) DEFINE_SPLITS(2) DEFINE_SPLITS(3)
 DEFINE_NARROW(1) DEFINE_NARROW(2) DEFINE_NARROW(3) DEFINE_NARROW(4) DEFINE_NARROW(5) DEFINE_NARROW(6)
 
 typedef void (*split_fn)(const float *, const float *, int64_t, float *, int64_t, v16 *, int64_t, int64_t, int, int,
-                         const float *, int64_t);
+                         const float *, int64_t, int);
 /* [panels][rows of the block] */
 static const split_fn SPLITS[SPLIT_PANELS + 1][SPLIT_ROWS + 1] = {
     {0},
@@ -224,7 +240,7 @@ static const split_fn NARROW[NARROW_PANELS + 1][NARROW_ROWS + 1] = {
 /* NP panels at p for M rows of xt (chunks of 16 rows, [chunks][K][16]) in blocks of R rows (fns[mm]: the
    kernel of a block of mm rows over NP panels); s: ceil(M / R) slots */
 static void split_rows(const float *xt, const float *p, int64_t K, float *y, int64_t ldy, int64_t M, int NP,
-                       v16 *s, int64_t R, const split_fn *fns) {
+                       v16 *s, int64_t R, const split_fn *fns, int l2) {
     int64_t sub = M <= SPLIT_K_ROWS ? SPLIT_K : KB;
     /* the row blocks' passes over a sub-block share the prefetches of its lines SPLIT_PF_LINES ahead,
        1/passes line per k each: the stream keeps going through the passes over the L1 copy too, where
@@ -239,7 +255,7 @@ static void split_rows(const float *xt, const float *p, int64_t K, float *y, int
                 int64_t mm = M - m0 < R ? M - m0 : R;
                 fns[mm](xt + (m0 / 16) * K * 16 + m0 % 16, p, K, y + m0 * ldy, ldy, s + (m0 / R) * SPLIT_SLOT, s0, s1,
                         s0 == k0, s1 == k1, pf_line(p, K, NP, s0 + SPLIT_PF_LINES + (m0 / R) * (s1 - s0) / passes),
-                        pf_step);
+                        pf_step, l2);
             }
         }
     }
@@ -255,14 +271,14 @@ static void split_rows(const float *xt, const float *p, int64_t K, float *y, int
    24-64 rows ran 15-20% slower (35.9 -> 41.8 ms at 24 rows, measured when every sub-block's sums went
    through it), as if its stores and xt's loads collided at the same offsets in 4 KB pages. */
 static void row_blocks(const float *xt, const float *p, int64_t K, float *y, int64_t ldy, int64_t M, int NP,
-                       int64_t R, const split_fn *fns) {
+                       int64_t R, const split_fn *fns, int l2) {
     v16 s[SPLIT_MAX_ROWS / SPLIT_ROWS * SPLIT_SLOT];
     for (int64_t r0 = 0; r0 < M; r0 += SPLIT_MAX_ROWS)
         split_rows(xt + (r0 / 16) * K * 16, p, K, y + r0 * ldy, ldy,
-                   M - r0 < SPLIT_MAX_ROWS ? M - r0 : SPLIT_MAX_ROWS, NP, s, R, fns);
+                   M - r0 < SPLIT_MAX_ROWS ? M - r0 : SPLIT_MAX_ROWS, NP, s, R, fns, l2);
 }
 
-typedef void (*group_fn)(const float *, const float *, int64_t, float *, int64_t);
+typedef void (*group_fn)(const float *, const float *, int64_t, float *, int64_t, int);
 static const group_fn QUADS_Y[7] = {0, 0, 0, 0, 0, groupy_5_4, groupy_6_4};
 static const group_fn TRIPLES_Y[10] = {0, 0, 0, 0, 0, 0, 0, 0, 0, groupy_9_3};
 static const group_fn PAIRS_Y[10] = {0, 0, 0, 0, 0, 0, 0, 0, 0, groupy_9_2};
@@ -304,6 +320,7 @@ int tr_panel_gemm(const float *x, int64_t ldx, const float *P, float *y, int64_t
         if (!xt_buf) return 1;
     }
     float *xt = xt_buf;
+    const int l2 = M <= PREFETCH_L2_MAX_ROWS && prefetch_l2[M];
     #pragma omp parallel num_threads(nthreads)
     {
         int64_t nt = omp_get_num_threads(), t = omp_get_thread_num();
@@ -319,10 +336,10 @@ int tr_panel_gemm(const float *x, int64_t ldx, const float *P, float *y, int64_t
                now take blocks of 4 rows below). A run's last few panels go in smaller groups. */
             group_fn G = M <= 4 ? QUADS[M] : M <= 6 ? QUADS_Y[M] : TRIPLES_Y[M];
             int64_t NP = M <= 6 ? 4 : 3;
-            for (; b + NP <= b1; b += NP) G(xt, P + b * K * 16, K, y + b * 16, ldy);
+            for (; b + NP <= b1; b += NP) G(xt, P + b * K * 16, K, y + b * 16, ldy, l2);
             for (; b + 2 <= b1; b += 2)  /* NP is 3 or 4 here: the tail's pairs, then singles */
-                (M <= 6 ? PAIRS[M] : PAIRS_Y[M])(xt, P + b * K * 16, K, y + b * 16, ldy);
-            for (; b < b1; b++) SINGLES[M](xt, P + b * K * 16, K, y + b * 16, ldy);
+                (M <= 6 ? PAIRS[M] : PAIRS_Y[M])(xt, P + b * K * 16, K, y + b * 16, ldy, l2);
+            for (; b < b1; b++) SINGLES[M](xt, P + b * K * 16, K, y + b * 16, ldy, l2);
         } else {
             /* rows in blocks (row_blocks), per sub-block of SPLIT_K k: 7-8 and 13-16 rows in blocks of 4
                over 6 panels at a time (narrow: more weight streams than the registers hold for all
@@ -336,7 +353,7 @@ int tr_panel_gemm(const float *x, int64_t ldx, const float *P, float *y, int64_t
             for (; b < b1; b += group) {
                 const int np = b1 - b < group ? (int)(b1 - b) : group;
                 row_blocks(xt, P + b * K * 16, K, y + b * 16, ldy, M, np, four ? NARROW_ROWS : SPLIT_ROWS,
-                           four ? NARROW[np] : SPLITS[np]);
+                           four ? NARROW[np] : SPLITS[np], l2);
             }
         }
     }
@@ -409,7 +426,10 @@ def linear(x: torch.Tensor, panels: torch.Tensor, n: int, bias: torch.Tensor | N
     return y
 
 
-_wide_narrow = True  # the library's setting (its default); set_wide_narrow skips the call when unchanged
+
+PREFETCH_L2_MAX_ROWS = 64  # the library's PREFETCH_L2_MAX_ROWS: calls of more rows always prefetch into L1
+_wide_narrow = True  # the library's settings (its defaults); the setters skip calls that change nothing
+_prefetch_l2: frozenset[int] = frozenset()
 
 
 def set_wide_narrow(on: bool) -> None:
@@ -421,3 +441,17 @@ def set_wide_narrow(on: bool) -> None:
     if lib is not None and bool(on) != _wide_narrow:
         lib.tr_panel_gemm_set_wide_narrow(int(bool(on)))
         _wide_narrow = bool(on)
+
+
+def set_prefetch_l2(rows: Iterable[int]) -> None:
+    """Calls of exactly these row counts (up to :data:`PREFETCH_L2_MAX_ROWS`) prefetch the weights into
+    L2, every other count into L1 (the default). Same results either way; which is faster depends on
+    the CPU and the row count, so the kernel plan measures both per token count."""
+    global _prefetch_l2
+    lib = KERNEL.get()
+    wanted = frozenset(int(r) for r in rows if 1 <= int(r) <= PREFETCH_L2_MAX_ROWS)
+    if lib is None or wanted == _prefetch_l2:
+        return
+    for r in wanted ^ _prefetch_l2:
+        lib.tr_panel_gemm_set_prefetch_l2(ctypes.c_int64(r), int(r in wanted))
+    _prefetch_l2 = wanted
