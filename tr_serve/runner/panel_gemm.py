@@ -191,8 +191,8 @@ void tr_panel_gemm_set_wide_narrow(int on) { wide_narrow = on != 0; }
    set by the kernel plan (tr_panel_gemm_set_prefetch_l2), which measures both: which is faster depends
    on the CPU. Same results either way. On this 2-core AMD EPYC Zen 4, SmolLM2-135M's linears and LM head,
    2 threads, medians of 9: 1 row 15.4-15.7 -> 13.5 ms, 4 rows 16.2-16.7 -> 14.0, 8 rows 19.4-19.6 ->
-   16.5, 12 rows 22.9-23.5 -> 22.5, 16 rows level, 24 rows level (a software prefetch into L2 holds no
-   L1 miss buffer, so more of the stream is in flight) */
+   16.5, 12 rows 22.9-23.5 -> 22.5, 16 rows level, 24-48 rows up to 8% slower (a software prefetch into
+   L2 holds no L1 miss buffer, so more of the stream can be in flight while few rows compute) */
 #define PREFETCH_L2_MAX_ROWS 64
 static unsigned char prefetch_l2[PREFETCH_L2_MAX_ROWS + 1];
 void tr_panel_gemm_set_prefetch_l2(int64_t rows, int on) {
