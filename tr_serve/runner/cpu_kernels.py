@@ -102,7 +102,8 @@ class KernelPlan:
     ``panel_wide_narrow``: whether the panel GEMM runs 13-16 rows in its narrow row blocks
     (:func:`panel_gemm.set_wide_narrow`); ``panel_prefetch_l2[i]``, when given: whether its calls
     in point i's bucket prefetch the weights into L2 (:func:`panel_gemm.set_prefetch_l2`). The same
-    results either way; the speed is measured per CPU."""
+    results either way; the speed is measured per CPU. Those two are settings of the process's one
+    panel GEMM library: :meth:`active` applies them, and they stay until another plan's block."""
 
     points: tuple[int, ...]
     kernels: tuple[str, ...]
