@@ -448,6 +448,8 @@ def set_prefetch_l2(rows: Iterable[int]) -> None:
     L2, every other count into L1 (the default). Same results either way; which is faster depends on
     the CPU and the row count, so the kernel plan measures both per token count."""
     global _prefetch_l2
+    if isinstance(rows, frozenset) and rows == _prefetch_l2:
+        return  # a plan's own set, applied at each of its forwards: nothing to rebuild
     lib = KERNEL.get()
     wanted = frozenset(int(r) for r in rows if 1 <= int(r) <= PREFETCH_L2_MAX_ROWS)
     if lib is None or wanted == _prefetch_l2:
