@@ -561,19 +561,17 @@ def measure_plan(calls: list, points: tuple[int, ...] = POINTS,
                          stop=lambda t: t.samples >= 8 and t.disturbed > BUSY_SHARE * t.samples)
             if probe.disturbed <= BUSY_SHARE * probe.samples:
                 timings = _measure(calls, inputs, kernels, points, rounds, deadline, timings=probe, done=1)
-        settings = {}
         proxy = timings is None
+        clock = time.thread_time if proxy else None
+        threads = torch.get_num_threads()
         if proxy:
-            threads = torch.get_num_threads()
             torch.set_num_threads(1)
-            try:
-                timings = _measure(calls, inputs, kernels, points, rounds, deadline, time.thread_time)
-                if "panel" in kernels:
-                    settings = _panel_settings(calls, inputs, timings, points, rounds, time.thread_time)
-            finally:
-                torch.set_num_threads(threads)
-        elif "panel" in kernels:
-            settings = _panel_settings(calls, inputs, timings, points, rounds)
+        try:
+            if proxy:
+                timings = _measure(calls, inputs, kernels, points, rounds, deadline, clock)
+            settings = _choose_panel_settings(calls, inputs, timings, points, rounds, clock) if "panel" in kernels else {}
+        finally:
+            torch.set_num_threads(threads)
     seconds = timings.table()
     plan = dataclasses.replace(plan_from_seconds(seconds, c_loop_credit()), **settings)
     for k in PREPACKED:
@@ -600,13 +598,13 @@ def _panel_variants(n: int) -> list[tuple[bool, bool]]:
 
 
 def _choose_panel_settings(calls, inputs, timings: Timings, points: tuple[int, ...], rounds: int,
-                           clock=None) -> tuple[bool, tuple[bool, ...]]:
+                           clock=None) -> dict:
     """The panel GEMM's settings for the plan: at every count up to its
     :data:`panel_gemm.PREFETCH_L2_MAX_ROWS`, its prefetch into L1 or L2, and at
     :data:`WIDE_NARROW_POINT` also its row blocks for 13-16 rows, each setting timed in interleaved
     rounds; per count the fastest is kept and its time recorded as the panel GEMM's (with the plan's
-    own samples, taken with the defaults, where the defaults win). Returns (wide_narrow, prefetch_l2
-    per point). Why measured: blocks of 4 rows over 6 panels ran 16 rows 2.4% faster on a CPU with
+    own samples, taken with the defaults, where the defaults win). Returns them as :class:`KernelPlan`
+    fields. Why measured: blocks of 4 rows over 6 panels ran 16 rows 2.4% faster on a CPU with
     two 512-bit multiply-adds per cycle per core, blocks of 8 over 3 panels 11% faster on a Zen 4 with
     one; on that Zen 4 a prefetch into L2 ran 1-12 rows 4-16% faster and 24-48 rows up to 8% slower."""
     counts = [n for n in points if n <= panel_gemm.PREFETCH_L2_MAX_ROWS]
@@ -636,13 +634,7 @@ def _choose_panel_settings(calls, inputs, timings: Timings, points: tuple[int, .
         prefetch_l2.append(chosen[1])
         if n == WIDE_NARROW_POINT:
             wide_narrow = chosen[0]
-    return wide_narrow, tuple(prefetch_l2)
-
-
-def _panel_settings(calls, inputs, timings: Timings, points, rounds: int, clock=None) -> dict:
-    """:func:`_choose_panel_settings` as :class:`KernelPlan` fields."""
-    wide_narrow, prefetch_l2 = _choose_panel_settings(calls, inputs, timings, points, rounds, clock)
-    return {"panel_wide_narrow": wide_narrow, "panel_prefetch_l2": prefetch_l2}
+    return {"panel_wide_narrow": wide_narrow, "panel_prefetch_l2": tuple(prefetch_l2)}
 
 
 def plan_key(calls: list) -> str:

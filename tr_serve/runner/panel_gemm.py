@@ -437,8 +437,10 @@ def set_wide_narrow(on: bool) -> None:
     default) or blocks of 8 over 3 panels. The sums and their order are the same either way; which
     is faster depends on the CPU, so the kernel plan measures both (``cpu_kernels.measure_plan``)."""
     global _wide_narrow
+    if bool(on) == _wide_narrow:
+        return  # a plan re-applying its setting at each of its forwards
     lib = KERNEL.get()
-    if lib is not None and bool(on) != _wide_narrow:
+    if lib is not None:
         lib.tr_panel_gemm_set_wide_narrow(int(bool(on)))
         _wide_narrow = bool(on)
 
