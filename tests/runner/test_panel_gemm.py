@@ -149,14 +149,26 @@ def test_prefetch_into_l2_gives_the_same_results(threads):
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("n", [16, 32, 48, 64, 80, 128, 192, 208, 576])
 def test_rows_past_sixteen_give_each_rows_result_alone(n, threads):
-    """Past 16 rows the rows run in blocks of 8 (a chunk of x's 16 rows holds two), 3 panels at a
-    time and the thread's last 1 or 2 panels together, over sub-blocks of 64 k up to 24 rows and
-    whole 128-k blocks past that: every row's result is still bit for bit the row's own, for every
-    remainder of rows and panels."""
+    """Past 16 rows the rows run in blocks of up to 8, shared out evenly (x transposed in chunks of
+    one block each), 3 panels at a time and the thread's last 1 or 2 panels together, over
+    sub-blocks of 64 k up to 24 rows and whole 128-k blocks past that: every row's result is still
+    bit for bit the row's own, for every remainder of rows and panels."""
     g = torch.Generator().manual_seed(n + 7)
     w, x = torch.randn(n, 136, generator=g), torch.randn(41, 136, generator=g)
     alone = assert_each_row_as_alone(w, x, (17, 18, 19, 20, 21, 24, 25, 32, 33, 36, 41), threads)
     torch.testing.assert_close(alone, F.linear(x, w), rtol=1e-4, atol=1e-4)
+
+
+@needs_kernel
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("n", [48, 208])
+def test_every_balanced_row_block_count_gives_each_rows_result_alone(n, threads):
+    """10-12 rows and 17-128 share their rows out evenly over as many blocks as blocks of 8 need
+    (17: 6 + 6 + 5; above 16 rows x is transposed in chunks of one block each), with the prefetches
+    of the blocks' passes spread over every line: each count gives each row its own result."""
+    g = torch.Generator().manual_seed(n + 13)
+    w, x = torch.randn(n, 200, generator=g), torch.randn(128, 200, generator=g)
+    assert_each_row_as_alone(w, x, [*range(10, 13), *range(17, 129)], threads)
 
 
 def test_unavailable_without_a_compiler(monkeypatch):

@@ -16,10 +16,11 @@ and 9 rows keep their running totals in the output to make room). 7-8 and 13-16 
 at a time in blocks of 4 rows per sub-block of 64 k, the blocks after the first reading the
 weights from the L1 cache: the stream's speed follows the number of panels read at once (13-16
 rows only where the kernel plan measured that faster: :func:`set_wide_narrow`). Calls of
-10-12 rows and 17 or more take 3 panels at a time and their rows in blocks of 8 per sub-block of 64
-k (whole 128-k blocks above 24 rows): the sub-block's weights come from memory for the first 8 rows
-and from the L1 cache for the rest, so 3 weight streams stay in flight (one panel at a time for 16
-rows had left the stream at about 17 GB/s, against 28 for one row), and the short passes over the
+10-12 rows and 17 or more take 3 panels at a time and their rows in blocks of at most 8, shared out
+evenly (17 rows: 6 + 6 + 5), per sub-block of 64 k (whole 128-k blocks above 24 rows): the
+sub-block's weights come from memory for the first block and from the L1 cache for the rest, so 3
+weight streams stay in flight (one panel at a time for 16 rows had left the stream at about 17 GB/s,
+against 28 for one row), and the short passes over the
 L1 copy let the stream go on between them. Every group of panels prefetches the next group's first
 lines before it ends (``pf_line``), so a new group never starts cold. The same vector code is
 written with GCC vector extensions and compiled with ``-march=native`` by the C compiler found at
@@ -139,10 +140,10 @@ DEFINE_GROUP_Y(5, 4) DEFINE_GROUP_Y(6, 4)
 DEFINE_GROUP_Y(9, 3)
 DEFINE_GROUP_Y(9, 2)
 
-/* Rows in blocks of 8 over NP panels at a time (10-12 rows and 17 or more), one sub-block of SPLIT_K k at a
-   time: the sub-block's weights (NP x SPLIT_K x 64 bytes) come from memory for the first 8 rows and
-   from the L1 cache for the next, so 3 weight streams are in flight per thread instead of 1, with 24
-   totals in registers. The passes over the L1 copy are short (SPLIT_K k), so the weight stream, kept
+/* Rows in blocks of up to 8 (shared out evenly: see tr_panel_gemm) over NP panels at a time (10-12 rows
+   and 17 or more), one sub-block of SPLIT_K k at a time: the sub-block's weights (NP x SPLIT_K x 64
+   bytes) come from memory for the first block and from the L1 cache for the next, so 3 weight streams
+   are in flight per thread instead of 1, with up to 24 totals in registers. The passes over the L1 copy are short (SPLIT_K k), so the weight stream, kept
    going by prefetches SPLIT_PF_LINES k ahead, never waits long for them. Between sub-blocks a row
    block's partial sums wait in a scratch slot (s[j * R + m]; a float stored and read back is the
    same float), and the last sub-block of a 128-k block adds them to the row's total in y (zeroed
@@ -213,7 +214,7 @@ static void split##R##_##MM##_##NP(const float *restrict xt, const float *restri
     v16 acc[NP][MM];                                                                                 \
     for (int j = 0; j < NP; j++)                                                                     \
         for (int m = 0; m < MM; m++) acc[j][m] = first ? (v16){0} : s[j * R + m];                    \
-    PRODUCTS(MM, NP, pf0 + (k - k0) * pf_step)                                                       \
+    PRODUCTS(MM, NP, pf0 + (((k - k0) * pf_step) >> 16))                                            \
     if (last) { ADD_BLOCK_TO_Y(MM, NP) }                                                             \
     else for (int j = 0; j < NP; j++) for (int m = 0; m < MM; m++) s[j * R + m] = acc[j][m];         \
 }
@@ -237,15 +238,19 @@ static const split_fn NARROW[NARROW_PANELS + 1][NARROW_ROWS + 1] = {
     {0, split4_1_3, split4_2_3, split4_3_3, split4_4_3}, {0, split4_1_4, split4_2_4, split4_3_4, split4_4_4},
     {0, split4_1_5, split4_2_5, split4_3_5, split4_4_5}, {0, split4_1_6, split4_2_6, split4_3_6, split4_4_6}};
 
-/* NP panels at p for M rows of xt (chunks of 16 rows, [chunks][K][16]) in blocks of R rows (fns[mm]: the
-   kernel of a block of mm rows over NP panels); s: ceil(M / R) slots */
+/* NP panels at p for M rows of xt (chunks of CR rows, [chunks][K][16]; a block never straddles two) in
+   blocks of R rows (fns[mm]: the kernel of a block of mm rows over NP panels); s: ceil(M / R) slots */
 static void split_rows(const float *xt, const float *p, int64_t K, float *y, int64_t ldy, int64_t M, int NP,
-                       v16 *s, int64_t R, const split_fn *fns, int l2) {
+                       v16 *s, int64_t R, const split_fn *fns, int l2, int64_t CR) {
     int64_t sub = M <= SPLIT_K_ROWS ? SPLIT_K : KB;
     /* the row blocks' passes over a sub-block share the prefetches of its lines SPLIT_PF_LINES ahead,
        1/passes line per k each: the stream keeps going through the passes over the L1 copy too, where
-       every pass prefetching the same lines had left memory idle after the first */
-    const int64_t passes = (M + R - 1) / R, pf_step = 16 / passes;
+       every pass prefetching the same lines had left memory idle after the first. pf_step: floats per
+       k in 16.16 fixed point, rounded up, so the passes' shares cover every line: as the integer
+       16 / passes, 3 passes (17-24 rows) left 4 lines of each panel's 64 per sub-block unprefetched
+       (SmolLM2-135M's linears and LM head, 2 threads, medians of 9, alternated: 17 rows 28.3 -> 27.8
+       ms, 20 rows 31.3 -> 30.3; 24 rows and 2 or 4 passes level) */
+    const int64_t passes = (M + R - 1) / R, pf_step = (16 * 65536 + passes - 1) / passes;
     for (int64_t m = 0; m < M; m++) memset(y + m * ldy, 0, sizeof(float) * 16 * NP);
     for (int64_t k0 = 0; k0 < K; k0 += KB) {
         int64_t k1 = k0 + KB < K ? k0 + KB : K;
@@ -253,7 +258,7 @@ static void split_rows(const float *xt, const float *p, int64_t K, float *y, int
             int64_t s1 = s0 + sub < k1 ? s0 + sub : k1;
             for (int64_t m0 = 0; m0 < M; m0 += R) {
                 int64_t mm = M - m0 < R ? M - m0 : R;
-                fns[mm](xt + (m0 / 16) * K * 16 + m0 % 16, p, K, y + m0 * ldy, ldy, s + (m0 / R) * SPLIT_SLOT, s0, s1,
+                fns[mm](xt + (m0 / CR) * K * 16 + m0 % CR, p, K, y + m0 * ldy, ldy, s + (m0 / R) * SPLIT_SLOT, s0, s1,
                         s0 == k0, s1 == k1, pf_line(p, K, NP, s0 + SPLIT_PF_LINES + (m0 / R) * (s1 - s0) / passes),
                         pf_step, l2);
             }
@@ -271,11 +276,11 @@ static void split_rows(const float *xt, const float *p, int64_t K, float *y, int
    24-64 rows ran 15-20% slower (35.9 -> 41.8 ms at 24 rows, measured when every sub-block's sums went
    through it), as if its stores and xt's loads collided at the same offsets in 4 KB pages. */
 static void row_blocks(const float *xt, const float *p, int64_t K, float *y, int64_t ldy, int64_t M, int NP,
-                       int64_t R, const split_fn *fns, int l2) {
+                       int64_t R, const split_fn *fns, int l2, int64_t CR) {
     v16 s[SPLIT_MAX_ROWS / SPLIT_ROWS * SPLIT_SLOT];
     for (int64_t r0 = 0; r0 < M; r0 += SPLIT_MAX_ROWS)
-        split_rows(xt + (r0 / 16) * K * 16, p, K, y + r0 * ldy, ldy,
-                   M - r0 < SPLIT_MAX_ROWS ? M - r0 : SPLIT_MAX_ROWS, NP, s, R, fns, l2);
+        split_rows(xt + (r0 / CR) * K * 16, p, K, y + r0 * ldy, ldy,
+                   M - r0 < SPLIT_MAX_ROWS ? M - r0 : SPLIT_MAX_ROWS, NP, s, R, fns, l2, CR);
 }
 
 typedef void (*group_fn)(const float *, const float *, int64_t, float *, int64_t, int);
@@ -288,16 +293,18 @@ static const group_fn PAIRS[7] = {0, group_1_2, group_2_2, group_3_2, group_4_2,
 static const group_fn SINGLES[10] = {0, group_1_1, group_2_1, group_3_1, group_4_1, group_5_1, group_6_1, 0, 0,
                                      group_9_1};  /* 7-8 rows: row_blocks */
 
-/* xt's lines for k in [ka, kb): x's rows [M][K] (row stride ldx) transposed, chunk by chunk of 16 rows,
+/* xt's lines for k in [ka, kb): x's rows [M][K] (row stride ldx) transposed, chunk by chunk of CR rows
+   (16, or a balanced row block's size: see tr_panel_gemm),
    each 64-byte line (one k of a chunk) written whole at once; columns past a chunk's last row are never
    read. Why this order and split: row by row, every row wrote one float into each of K lines (a K of
    1536 is 96 KB of lines, past L1), and one thread did it while the other waited. Measured on a
    2-panel call, 2 threads: K = 1536, 8 rows 39 -> 22 us, 16 rows 57 -> 25 us; SmolLM2-135M's linears
    and LM head, medians of 9: 1 row 19.4 -> 18.9 ms, 8 rows 21.3 -> 20.5, 16 rows 26.1 -> 24.9. */
-static void transpose_x(const float *x, int64_t ldx, float *xt, int64_t M, int64_t K, int64_t ka, int64_t kb) {
-    for (int64_t m0 = 0; m0 < M; m0 += 16) {
-        int64_t mm = M - m0 < 16 ? M - m0 : 16;
-        float *dst = xt + (m0 / 16) * K * 16;
+static void transpose_x(const float *x, int64_t ldx, float *xt, int64_t M, int64_t K, int64_t ka, int64_t kb,
+                        int64_t CR) {
+    for (int64_t m0 = 0; m0 < M; m0 += CR) {
+        int64_t mm = M - m0 < CR ? M - m0 : CR;
+        float *dst = xt + (m0 / CR) * K * 16;
         const float *src = x + m0 * ldx;
         for (int64_t k = ka; k < kb; k++)
             for (int64_t m = 0; m < mm; m++) dst[k * 16 + m] = src[m * ldx + k];
@@ -312,7 +319,18 @@ static __thread int64_t xt_cap;
    barrier), then each thread takes an equal run of panels. */
 int tr_panel_gemm(const float *x, int64_t ldx, const float *P, float *y, int64_t ldy,
                   int64_t M, int64_t K, int64_t NB, int nthreads) {
-    int64_t chunks = (M + 15) / 16;
+    /* the split path's row blocks (10-12 rows and 17-128; 13-16 where not narrow): as many as blocks of
+       SPLIT_ROWS need, the rows shared out evenly (17 rows: 6 + 6 + 5, not 8 + 8 + 1). A block of 1-2
+       rows has too few chains of multiply-adds to hide their latency, and its pass over the sub-block
+       costs nearly what a full one does. Above 16 rows, xt is laid out in chunks of one block each, so
+       that no block straddles a line of 16 rows. Each row's sums are the same, in the same order, in
+       any block. SmolLM2-135M's linears and LM head, 2 threads, medians of 9, alternated: 10 rows
+       19.9 -> 19.1 ms, 11: 20.0 -> 18.9, 12: 20.8 -> 19.4, 17: 28.2 -> 25.7, 18: 28.8 -> 27.0, 33:
+       48.8 -> 47.5; 13-16, 20 and 24 rows level or within 1% */
+    const int64_t blocks = (M + SPLIT_ROWS - 1) / SPLIT_ROWS;
+    const int balanced = M > 9 && M <= SPLIT_MAX_ROWS;
+    const int64_t RB = balanced ? (M + blocks - 1) / blocks : SPLIT_ROWS, CR = M > 16 && balanced ? RB : 16;
+    int64_t chunks = (M + CR - 1) / CR;
     if (chunks * K * 16 > xt_cap) {
         free(xt_buf);
         xt_buf = aligned_alloc(64, (size_t)(((chunks * K * 16 * sizeof(float)) + 63) / 64 * 64));
@@ -324,7 +342,7 @@ int tr_panel_gemm(const float *x, int64_t ldx, const float *P, float *y, int64_t
     #pragma omp parallel num_threads(nthreads)
     {
         int64_t nt = omp_get_num_threads(), t = omp_get_thread_num();
-        transpose_x(x, ldx, xt, M, K, K * t / nt, K * (t + 1) / nt);  /* each thread a share of k */
+        transpose_x(x, ldx, xt, M, K, K * t / nt, K * (t + 1) / nt, CR);  /* each thread a share of k */
         #pragma omp barrier
         int64_t b0 = NB * t / nt, b1 = NB * (t + 1) / nt, b = b0;  /* each thread an equal run of panels */
         if (M <= 9 && !narrow(M)) {
@@ -343,7 +361,7 @@ int tr_panel_gemm(const float *x, int64_t ldx, const float *P, float *y, int64_t
         } else {
             /* rows in blocks (row_blocks), per sub-block of SPLIT_K k: 7-8 and 13-16 rows in blocks of 4
                over 6 panels at a time (narrow: more weight streams than the registers hold for all
-               rows), 10-12 rows and 17 or more in blocks of 8 over 3 panels; a run's last panels
+               rows), 10-12 rows and 17 or more in blocks of up to 8 over 3 panels; a run's last panels
                together. Blocks of 8 over 3 panels, SmolLM2-135M's linears and LM head, 2 threads,
                medians of 9, against blocks of 8 rows over whole 128-k blocks (session 26, for 13 rows
                and more) and, for 10-12 rows, 2 panels at a time with all rows in registers: 10 rows
@@ -352,8 +370,8 @@ int tr_panel_gemm(const float *x, int64_t ldx, const float *P, float *y, int64_t
             const int four = narrow(M), group = four ? NARROW_PANELS : SPLIT_PANELS;
             for (; b < b1; b += group) {
                 const int np = b1 - b < group ? (int)(b1 - b) : group;
-                row_blocks(xt, P + b * K * 16, K, y + b * 16, ldy, M, np, four ? NARROW_ROWS : SPLIT_ROWS,
-                           four ? NARROW[np] : SPLITS[np], l2);
+                row_blocks(xt, P + b * K * 16, K, y + b * 16, ldy, M, np, four ? NARROW_ROWS : RB,
+                           four ? NARROW[np] : SPLITS[np], l2, CR);
             }
         }
     }
