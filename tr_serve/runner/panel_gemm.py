@@ -20,9 +20,9 @@ rows only where the kernel plan measured that faster: :func:`set_wide_narrow`). 
 evenly (17 rows: 6 + 6 + 5), per sub-block of 64 k (whole 128-k blocks above 24 rows): the
 sub-block's weights come from memory for the first block and from the L1 cache for the rest, so 3
 weight streams stay in flight (one panel at a time for 16 rows had left the stream at about 17 GB/s,
-against 28 for one row), and the short passes over the
-L1 copy let the stream go on between them. Every group of panels prefetches the next group's first
-lines before it ends (``pf_line``), so a new group never starts cold. The same vector code is
+against 28 for one row), and the short passes over the L1 copy let the stream go on between them.
+Every group of panels prefetches the next group's first lines before it ends (``pf_line``), so a new
+group never starts cold. The same vector code is
 written with GCC vector extensions and compiled with ``-march=native`` by the C compiler found at
 start-up (``$CC``, ``cc`` or ``gcc``), so it uses AVX-512 where the CPU has it and AVX2 or NEON
 elsewhere. It runs on torch's own OpenMP team (the library links ``libgomp.so.1``, which resolves to
@@ -140,17 +140,17 @@ DEFINE_GROUP_Y(5, 4) DEFINE_GROUP_Y(6, 4)
 DEFINE_GROUP_Y(9, 3)
 DEFINE_GROUP_Y(9, 2)
 
-/* Rows in blocks of up to 8 (shared out evenly: see tr_panel_gemm) over NP panels at a time (10-12 rows
-   and 17 or more), one sub-block of SPLIT_K k at a time: the sub-block's weights (NP x SPLIT_K x 64
-   bytes) come from memory for the first block and from the L1 cache for the next, so 3 weight streams
-   are in flight per thread instead of 1, with up to 24 totals in registers. The passes over the L1 copy are short (SPLIT_K k), so the weight stream, kept
-   going by prefetches SPLIT_PF_LINES k ahead, never waits long for them. Between sub-blocks a row
-   block's partial sums wait in a scratch slot (s[j * R + m]; a float stored and read back is the
-   same float), and the last sub-block of a 128-k block adds them to the row's total in y (zeroed
-   first): each block's products are still summed from zero in k order, then added in block order,
-   the same sums in the same order as the groups above, so the same results. Calls of more than
-   SPLIT_K_ROWS rows, whose passes are bound by the multiply-adds, take whole 128-k blocks
-   (sub-blocks: 1-2% slower at 48-64 rows).
+/* Rows in blocks of up to 8 (shared out evenly: see tr_panel_gemm) over NP panels at a time (10-12
+   rows and 17 or more), one sub-block of SPLIT_K k at a time: the sub-block's weights (NP x SPLIT_K x
+   64 bytes) come from memory for the first block and from the L1 cache for the next, so 3 weight
+   streams are in flight per thread instead of 1, with up to 24 totals in registers. The passes over
+   the L1 copy are short (SPLIT_K k), so the weight stream, kept going by prefetches SPLIT_PF_LINES k
+   ahead, never waits long for them. Between sub-blocks a row block's partial sums wait in a scratch
+   slot (s[j * R + m]; a float stored and read back is the same float), and the last sub-block of a
+   128-k block adds them to the row's total in y (zeroed first): each block's products are still summed
+   from zero in k order, then added in block order, the same sums in the same order as the groups
+   above, so the same results. Calls of more than SPLIT_K_ROWS rows, whose passes are bound by the
+   multiply-adds, take whole 128-k blocks (sub-blocks: 1-2% slower at 48-64 rows).
    Prefetching: every pass used to prefetch its own k + 16, so after the first pass over a sub-block
    the others only asked for lines already asked for, and memory idled through them. Now the passes
    share the job (pass r prefetches the r-th 1/passes of the lines SPLIT_PF_LINES k ahead of the
@@ -294,12 +294,12 @@ static const group_fn SINGLES[10] = {0, group_1_1, group_2_1, group_3_1, group_4
                                      group_9_1};  /* 7-8 rows: row_blocks */
 
 /* xt's lines for k in [ka, kb): x's rows [M][K] (row stride ldx) transposed, chunk by chunk of CR rows
-   (16, or a balanced row block's size: see tr_panel_gemm),
-   each 64-byte line (one k of a chunk) written whole at once; columns past a chunk's last row are never
-   read. Why this order and split: row by row, every row wrote one float into each of K lines (a K of
-   1536 is 96 KB of lines, past L1), and one thread did it while the other waited. Measured on a
-   2-panel call, 2 threads: K = 1536, 8 rows 39 -> 22 us, 16 rows 57 -> 25 us; SmolLM2-135M's linears
-   and LM head, medians of 9: 1 row 19.4 -> 18.9 ms, 8 rows 21.3 -> 20.5, 16 rows 26.1 -> 24.9. */
+   (16, or a balanced row block's size: see tr_panel_gemm), each 64-byte line (one k of a chunk)
+   written whole at once; columns past a chunk's last row are never read. Why this order and split: row
+   by row, every row wrote one float into each of K lines (a K of 1536 is 96 KB of lines, past L1), and
+   one thread did it while the other waited. Measured on a 2-panel call, 2 threads: K = 1536, 8 rows 39
+   -> 22 us, 16 rows 57 -> 25 us; SmolLM2-135M's linears and LM head, medians of 9: 1 row 19.4 -> 18.9
+   ms, 8 rows 21.3 -> 20.5, 16 rows 26.1 -> 24.9. */
 static void transpose_x(const float *x, int64_t ldx, float *xt, int64_t M, int64_t K, int64_t ka, int64_t kb,
                         int64_t CR) {
     for (int64_t m0 = 0; m0 < M; m0 += CR) {
