@@ -17,7 +17,8 @@ at a time in blocks of 4 rows per sub-block of 64 k, the blocks after the first 
 weights from the L1 cache: the stream's speed follows the number of panels read at once (13-16
 rows only where the kernel plan measured that faster: :func:`set_wide_narrow`). Calls of
 10-12 rows and 17 or more take 3 panels at a time and their rows in blocks of at most 8, shared out
-evenly (17 rows: 6 + 6 + 5), per sub-block of 64 k (whole 128-k blocks above 24 rows): the
+evenly up to 128 rows (17 rows: 6 + 6 + 5; past 128, 128 rows at a time in blocks of 8), per
+sub-block of 64 k (whole 128-k blocks above 24 rows): the
 sub-block's weights come from memory for the first block and from the L1 cache for the rest, so 3
 weight streams stay in flight (one panel at a time for 16 rows had left the stream at about 17 GB/s,
 against 28 for one row), and the short passes over the L1 copy let the stream go on between them.
