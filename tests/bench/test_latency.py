@@ -89,8 +89,22 @@ def test_result_json_shape_and_table(tokenizer, tmp_path, monkeypatch, cpu_kerne
         assert data["kernel_plan"] == "torch"
     else:
         assert set(data["kernel_plan"]["per_token_count"]) >= {"1", "2", "4"}
+    for ctx in ("16", "32"):  # the arithmetic of each forward, and what it ran at
+        for q in ("1", "2", "4"):
+            assert data["achieved_gflops"][ctx][q] == pytest.approx(
+                data["flops"][ctx][q] / data["latency_ms"][ctx][q] / 1e6, rel=0.01, abs=0.002)
+        assert data["flops"][ctx]["1"] < data["flops"][ctx]["2"] < data["flops"][ctx]["4"]
+    assert data["flops"]["16"]["4"] < data["flops"]["32"]["4"]  # a longer prefix: more keys to attend
+    peak = data["peak_gflops"]  # a float32 CPU model: its floor at the measured peak
+    if peak is not None:
+        assert data["floor_ms"]["32"]["4"] == pytest.approx(data["flops"]["32"]["4"] / peak / 1e6, rel=0.01, abs=1e-3)
+        assert data["floor_ratio_to_1"]["32"]["4"] == pytest.approx(
+            data["floor_ms"]["32"]["4"] / data["latency_ms"]["32"]["1"], rel=0.01, abs=2e-3)
     table = latency.markdown(data)
-    assert table.splitlines()[0].startswith("| query tokens | ctx 16 (ms) | t(q)/t(1) | ctx 32 (ms)")
+    floor_cols = " | floor (ms) | floor/t(1)" if peak is not None else ""
+    assert table.splitlines()[0].startswith(
+        f"| query tokens | ctx 16 (ms) | t(q)/t(1) | GFLOP/s{floor_cols} | ctx 32 (ms)")
+    assert ("GFLOPS with" in table) == (peak is not None)
     assert len([line for line in table.splitlines() if line.startswith("| 1 ") or line.startswith("| 2 ")
                 or line.startswith("| 4 ")]) == 3
     assert f"{data['torch_threads']} threads" in table

@@ -5,7 +5,10 @@ engine's runner, cache, mask and linear kernels) over a row that holds a ``conte
 for every context and token count. Rounds are interleaved (every pair once per round, the order
 reversed every other round) and each pair keeps its fastest round, so a busy moment of the machine
 shifts one sample, not a whole column. The JSON holds ``{"latency_ms": {"<context>": {"<query
-tokens>": ms}}}`` plus ``t(q)/t(1)`` per context, the kernel plan, threads and versions.
+tokens>": ms}}}`` plus ``t(q)/t(1)`` per context, the kernel plan, threads and versions, and the
+arithmetic floor (``bench/roofline.py``): each forward's FLOPs and, for float32 on CPU, this CPU's
+measured peak and the least time the arithmetic alone takes at it (``floor_ms``), so that a ratio
+target can be checked against what the machine allows.
 """
 
 from __future__ import annotations
@@ -19,6 +22,8 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import torch
+
+from tr_serve.bench import roofline
 
 CONTEXTS = (256, 1024)
 QUERY_TOKENS = (1, 2, 4, 8, 16, 32, 64, 80)
@@ -105,6 +110,12 @@ def run_latency(loaded, cpu_kernels: str = "auto", contexts: Sequence[int] = CON
     latency = {str(c): {str(q): round(s * 1000, 3) for q, s in row.items()} for c, row in seconds.items()}
     first = query_tokens[0]
     ratios = {str(c): {str(q): round(s / row[first], 4) for q, s in row.items()} for c, row in seconds.items()}
+    flops = ({c: {q: roofline.forward_flops(model.config, c, tree_inputs(q, runner.vocab_size)[2])
+                  for q in query_tokens} for c in contexts}
+             if roofline.counts(model.config) else None)
+    # the float32 peak bounds float32 CPU forwards only (torch's bf16 or GPU kernels have peaks of their own)
+    cpu_fp32 = runner.device.type == "cpu" and runner.dtype == torch.float32
+    peak = roofline.measure_peak_gflops() if flops and cpu_fp32 else None
     out: dict[str, Any] = {
         "latency_ms": latency,
         f"ratio_to_{first}": ratios,
@@ -117,6 +128,17 @@ def run_latency(loaded, cpu_kernels: str = "auto", contexts: Sequence[int] = CON
         "dtype": str(runner.dtype).replace("torch.", ""),
         **environment(plan, cpu_kernels),
     }
+    if flops:
+        out["flops"] = {str(c): {str(q): f for q, f in row.items()} for c, row in flops.items()}
+        out["achieved_gflops"] = {str(c): {str(q): round(f / seconds[c][q] / 1e9, 3) for q, f in row.items()}
+                                  for c, row in flops.items()}
+        out["peak_gflops"] = None if peak is None else round(peak, 1)
+    if peak is not None:
+        floor = {c: {q: f / peak / 1e9 for q, f in row.items()} for c, row in flops.items()}
+        out["floor_ms"] = {str(c): {str(q): round(s * 1000, 3) for q, s in row.items()} for c, row in floor.items()}
+        # the least t(q)/t(first) the arithmetic allows where it exceeds the weights' stream (above 1)
+        out[f"floor_ratio_to_{first}"] = {str(c): {str(q): round(s / seconds[c][first], 4) for q, s in row.items()}
+                                          for c, row in floor.items()}
     return out
 
 
@@ -125,13 +147,20 @@ def markdown(result: dict[str, Any]) -> str:
     tokens = [str(q) for q in result["query_tokens"]]
     ratio_key = next(k for k in result if k.startswith("ratio_to_"))
     first = ratio_key.removeprefix("ratio_to_")
-    head = "| query tokens | " + " | ".join(f"ctx {c} (ms) | t(q)/t({first})" for c in contexts) + " |"
-    sep = "| --- |" + " --- | --- |" * len(contexts)
+    floor, achieved = result.get("floor_ms"), result.get("achieved_gflops")
+    cols = [f"(ms) | t(q)/t({first})"] + (["GFLOP/s"] if achieved else []) + \
+        ([f"floor (ms) | floor/t({first})"] if floor else [])
+    head = "| query tokens | " + " | ".join(f"ctx {c} " + " | ".join(cols) for c in contexts) + " |"
+    sep = "| --- |" + (" --- |" * (2 + bool(achieved) + 2 * bool(floor))) * len(contexts)
     lines = [head, sep]
     for q in tokens:
         cells = []
         for c in contexts:
             cells += [f"{result['latency_ms'][c][q]:.1f}", f"{result[ratio_key][c][q]:.2f}"]
+            if achieved:
+                cells.append(f"{achieved[c][q]:.0f}")
+            if floor:
+                cells += [f"{floor[c][q]:.1f}", f"{result[f'floor_ratio_to_{first}'][c][q]:.2f}"]
         lines.append(f"| {q} | " + " | ".join(cells) + " |")
     plan = result.get("kernel_plan")
     kernels = plan if isinstance(plan, str) else ", ".join(f"{n}:{k}" for n, k in plan["per_token_count"].items())
@@ -141,6 +170,10 @@ def markdown(result: dict[str, Any]) -> str:
     lines.append(f"{result['model']} on {result['device']}, {result['dtype']}, {result['torch_threads']} threads, "
                  f"torch {result['torch']}, transformers {result['transformers']}; min of {result['rounds']} "
                  f"interleaved rounds; kernels (tokens:kernel): {kernels}{pad}")
+    if floor:
+        lines.append(f"floor: the forward's multiply-adds (linears, LM head, attention) at this CPU's measured float32 "
+                     f"peak, {result['peak_gflops']:.0f} GFLOPS with {result['torch_threads']} threads; where "
+                     f"floor/t({first}) exceeds 1, no kernel can bring t(q)/t({first}) below it")
     return "\n".join(lines)
 
 
