@@ -172,8 +172,8 @@ def markdown(result: dict[str, Any]) -> str:
                  f"interleaved rounds; kernels (tokens:kernel): {kernels}{pad}")
     if floor:
         lines.append(f"floor: the forward's multiply-adds (linears, LM head, attention) at this CPU's measured float32 "
-                     f"peak, {result['peak_gflops']:.0f} GFLOPS with {result['torch_threads']} threads; where "
-                     f"floor/t({first}) exceeds 1, no kernel can bring t(q)/t({first}) below it")
+                     f"peak, {result['peak_gflops']:.0f} GFLOPS with {result['torch_threads']} threads: no kernel runs "
+                     f"a forward faster, so t(q)/t({first}) stays at or above floor/t({first}) at this t({first})")
     return "\n".join(lines)
 
 

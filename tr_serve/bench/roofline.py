@@ -4,14 +4,14 @@ Why: a ratio such as t(16)/t(1) can only fall to what the arithmetic of 16 token
 token's forward is set by the weights' stream; 16 tokens' by their multiply-adds once those take
 longer than the stream. ``tr-serve bench --latency`` prints both, measured on the machine at hand,
 so a latency target can be checked against the floor before any kernel work: on this 2-core Zen 4
-(about 230 GFLOPS with 2 threads), SmolLM2-135M's 16 tokens at context 256 are 4.59 GFLOP, at
-least 19.9 ms, while one token's weights streamed in 13.5-17 ms.
+(235 GFLOPS with 2 threads), SmolLM2-135M's 16 tokens at context 256 are 4.59 GFLOP, at least
+19.5 ms, while one token's weights streamed in 13.4-17 ms.
 
 The count is the necessary arithmetic of a Llama-shaped model: every linear layer once per query
 token (attention projections, gated MLP, LM head) and attention over the keys each query sees (the
 prefix plus its tree ancestors and itself); norms, rotary embedding and softmax are left out (a few
 FLOPs per activation, not per weight). The peak is a measured loop of independent fused
-multiply-adds on 16-float vectors, one per thread of torch's OpenMP team.
+multiply-adds on the widest float vectors the CPU has, one per thread of torch's OpenMP team.
 """
 
 from __future__ import annotations
@@ -24,39 +24,49 @@ import torch
 
 from tr_serve.runner import native
 
-CHAINS = 12  # independent accumulators per thread: enough to hide a multiply-add's latency on 1-2 units
+CHAINS = 12  # accumulators per thread: enough to hide a multiply-add's latency on 1-2 units, and with w
+# and x, 14 registers: within the 16 of AVX2
 
 SOURCE = r"""
 #include <stdint.h>
 #include <omp.h>
 
-typedef float v16 __attribute__((vector_size(64)));
+/* the widest vector the target has, so that CHAINS accumulators stay in registers (16 of them on
+   AVX2 and SSE: a 64-byte vector there takes two, and 24 spilled to the stack) */
+#if defined(__AVX512F__)
+#define LANES 16
+#elif defined(__AVX__)
+#define LANES 8
+#else
+#define LANES 4
+#endif
+typedef float vec __attribute__((vector_size(LANES * 4)));
 
-/* CHAINS independent chains of ITERS fused multiply-adds on 16-float vectors per thread; the sum of
-   every lane goes to out so that nothing is optimised away */
+/* CHAINS independent chains of ITERS fused multiply-adds of LANES floats per thread; the sum of
+   every lane goes to out so that nothing is optimised away. Returns LANES. */
 int tr_fma_peak(int64_t iters, int nthreads, float *out) {
     float total = 0.0f;
     #pragma omp parallel num_threads(nthreads) reduction(+:total)
     {
-        v16 acc[CHAINS], w = (v16){0} + 0.999999f;
+        /* w and x depend on run-time values, so the compiler can fold nothing out of the loop */
+        const vec w = (vec){0} + (0.999999f + 1e-9f * (float)nthreads);
         const float x = 1e-7f * (float)(omp_get_thread_num() + 1);
-        for (int j = 0; j < CHAINS; j++) acc[j] = (v16){0} + (float)j;
-        for (int64_t i = 0; i < iters; i++) {
+        vec acc[CHAINS];
+        for (int j = 0; j < CHAINS; j++) acc[j] = (vec){0} + (float)j;
+        for (int64_t i = 0; i < iters; i++)
             for (int j = 0; j < CHAINS; j++) acc[j] = acc[j] * w + x;
-            __asm__ volatile("" : "+v"(w));  /* w stays a register operand that the loop cannot fold */
-        }
         for (int j = 0; j < CHAINS; j++)
-            for (int l = 0; l < 16; l++) total += acc[j][l];
+            for (int l = 0; l < LANES; l++) total += acc[j][l];
     }
     *out = total;
-    return 0;
+    return LANES;
 }
 """
 
 
 def _self_check(lib: ctypes.CDLL) -> bool:
     out = ctypes.c_float(0.0)
-    return lib.tr_fma_peak(ctypes.c_int64(10), 1, ctypes.byref(out)) == 0 and out.value > 0.0
+    return lib.tr_fma_peak(ctypes.c_int64(10), 1, ctypes.byref(out)) in (4, 8, 16) and out.value > 0.0
 
 
 KERNEL = native.Kernel("fp32 peak loop", "fma_peak", f"#define CHAINS {CHAINS}\n" + SOURCE, "TR_SERVE_FMA_PEAK",
@@ -74,7 +84,7 @@ def measure_peak_gflops(threads: int | None = None, seconds: float = 0.05, repea
     iters = 1 << 16
     while True:  # grow the loop until one run takes long enough to time
         t0 = time.perf_counter()
-        lib.tr_fma_peak(ctypes.c_int64(iters), threads, ctypes.byref(out))
+        lanes = lib.tr_fma_peak(ctypes.c_int64(iters), threads, ctypes.byref(out))
         if time.perf_counter() - t0 >= seconds / 4 or iters >= 1 << 34:
             break
         iters *= 4
@@ -83,7 +93,7 @@ def measure_peak_gflops(threads: int | None = None, seconds: float = 0.05, repea
         t0 = time.perf_counter()
         lib.tr_fma_peak(ctypes.c_int64(iters), threads, ctypes.byref(out))
         best = min(best, time.perf_counter() - t0)
-    return 2 * 16 * CHAINS * iters * threads / best / 1e9
+    return 2 * lanes * CHAINS * iters * threads / best / 1e9
 
 
 LLAMA_FIELDS = ("num_hidden_layers", "hidden_size", "num_attention_heads", "intermediate_size", "vocab_size")
