@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from tr_serve.model_shape import attention_shape
 from tr_serve.runner import native
 
 CHAINS = 12  # accumulators per thread: enough to hide a multiply-add's latency on 1-2 units, and with w
@@ -107,9 +108,7 @@ def counts(config: Any) -> bool:
 def _dims(config: Any) -> tuple[int, int, int, int, int, int, int]:
     """(layers, hidden, heads, key/value heads, head size, intermediate, vocabulary) of a Llama-shaped
     config."""
-    heads = config.num_attention_heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    heads, kv_heads, head_dim = attention_shape(config)
     return (config.num_hidden_layers, config.hidden_size, heads, kv_heads, head_dim, config.intermediate_size,
             config.vocab_size)
 

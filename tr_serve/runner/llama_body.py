@@ -24,6 +24,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+from tr_serve.model_shape import attention_shape
 from tr_serve.runner import cpu_kernels, layer_driver, layer_ops, tree_attention
 
 _ATTENTION = ("sdpa", "tr_serve_sdpa")  # the implementations whose arithmetic the body reproduces
@@ -178,7 +179,7 @@ def supports_layer_ops(model) -> bool:
     inner = getattr(model, "model", None)
     if inner is None or getattr(config, "hidden_act", None) != "silu" or config.hidden_size % 16:
         return False
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    head_dim = attention_shape(config).head_dim
     if head_dim % 2:
         return False
     try:

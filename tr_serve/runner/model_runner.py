@@ -10,6 +10,7 @@ import contextlib
 
 import torch
 
+from tr_serve.model_shape import attention_shape
 from tr_serve.runner.attention import runner_attention
 from tr_serve.runner import layer_ops, tree_attention
 from tr_serve.runner.cpu_kernels import KernelPlan
@@ -48,8 +49,7 @@ def real_positions(lengths: torch.Tensor | None, q: int, device: torch.device) -
 
 def kv_bytes_per_row(config, max_len: int, dtype: torch.dtype) -> int:
     """Bytes of K and V for one sequence of ``max_len`` tokens over all layers."""
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    _, kv_heads, head_dim = attention_shape(config)
     itemsize = torch.empty((), dtype=dtype).element_size()
     return 2 * config.num_hidden_layers * kv_heads * head_dim * max_len * itemsize
 
@@ -99,8 +99,7 @@ class ModelRunner:
         self.dtype = next(model.parameters()).dtype
         self.vocab_size = cfg.vocab_size
         self.max_len = max_len
-        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+        _, kv_heads, head_dim = attention_shape(cfg)
         self.cache = SlotKVCache(cfg.num_hidden_layers, num_rows, max_len, kv_heads, head_dim, self.dtype, self.device)
         self._draft_head: torch.Tensor | bool | None = None  # see draft_logits; built at first use
         # fp32 on CPU: attention through the native kernel, one call per layer for every row and width

@@ -30,6 +30,8 @@ from __future__ import annotations
 
 from torch import nn
 
+from tr_serve.model_shape import attention_shape
+
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")  # same layer layout; qwen2 adds q/k/v biases
 
 
@@ -45,8 +47,7 @@ def check_shardable(config, world_size: int) -> None:
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise ShardingError(f"tensor parallelism supports the model types {list(SUPPORTED_MODEL_TYPES)}; this model's "
                             f"model_type is {model_type!r}")
-    heads = config.num_attention_heads
-    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    heads, kv_heads, _ = attention_shape(config)
     problems = []
     if heads % world_size:
         problems.append(f"num_attention_heads={heads}")
@@ -105,9 +106,7 @@ def shard_model(model: nn.Module, rank: int, world_size: int, group=None, reduce
         raise ShardingError(f"rank {rank} is outside 0..{world_size - 1}")
     if world_size == 1:
         return model
-    heads = config.num_attention_heads
-    kv_heads = getattr(config, "num_key_value_heads", None) or heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    heads, kv_heads, head_dim = attention_shape(config)
     inter = config.intermediate_size
     h, kv, i = heads // world_size, kv_heads // world_size, inter // world_size
     q0, k0, i0 = rank * h * head_dim, rank * kv * head_dim, rank * i
