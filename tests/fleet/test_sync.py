@@ -92,7 +92,7 @@ def set_row(engine, token: int, cands: list[int]) -> None:
     logits = torch.full((1, V), -100.0)
     for rank, c in enumerate(cands):
         logits[0, c] = 50.0 - rank
-    engine.matrix.recycle(torch.tensor([token]), logits)
+    engine.matrix.recycle(torch.tensor([token]), torch.topk(logits, engine.matrix.k).indices)
 
 
 def row(engine, token: int) -> list[int]:

@@ -16,14 +16,14 @@ def test_measure_interleaves_rounds_and_keeps_the_median(tokenizer, monkeypatch)
 
     runner = ModelRunner(tiny_loaded(tokenizer).model, 1, 64)
     order = []
-    real = runner.verify
+    real = runner.verify_step  # what the engine calls, and so what calibration times
 
-    def verify(rows, tokens, depths, mask):
+    def verify_step(rows, tokens, depths, mask, lengths, sampling):
         order.append(tokens.shape[1])
         assert runner.length(0) == 16  # the context stays in the row
-        return real(rows, tokens, depths, mask)
+        return real(rows, tokens, depths, mask, lengths, sampling)
 
-    runner.verify = verify
+    runner.verify_step = verify_step
     state = {"calls": 0, "timed": {}}
 
     def perf_counter():  # start stamps 0; an end stamp returns this count's duration this round
@@ -52,8 +52,8 @@ def test_measure_times_large_counts_once(tokenizer, monkeypatch):
 
     runner = ModelRunner(tiny_loaded(tokenizer).model, 1, 400)
     seen = []
-    real = runner.verify
-    runner.verify = lambda rows, tokens, depths, mask: seen.append(tokens.shape[1]) or real(rows, tokens, depths, mask)
+    real = runner.verify_step
+    runner.verify_step = lambda rows, tokens, *rest: seen.append(tokens.shape[1]) or real(rows, tokens, *rest)
     monkeypatch.setattr(calibration, "POINTS", (8, 192))
     table = calibration.measure(runner, max_tokens=192, context=32, repeats=3)
     assert seen.count(8) == 4 and seen.count(192) == 2  # warm-up + 3 rounds; warm-up + once

@@ -99,7 +99,8 @@ def test_recycle_writes_each_pairs_row_with_the_preferred_node_winning():
     tokens = torch.tensor([4, 4, 4, 6])
     before = torch.tensor([1, 2, 2, EMPTY])  # nodes 1 and 2 are one pair; node 3 has no pair
     logits = torch.stack([logits_ranking([0, 1]), logits_ranking([2, 3]), logits_ranking([5, 6]), logits_ranking([8, 9])])
-    m.recycle(tokens, logits, preferred=torch.tensor([False, True, False, False]), pairs=pairs, before=before)
+    m.recycle(tokens, torch.topk(logits, 2).indices, preferred=torch.tensor([False, True, False, False]), pairs=pairs,
+              before=before)
     assert m.table[4].tolist() == [2, 3]  # the matrix: the preferred occurrence of token 4
     assert m.table[6].tolist() == [8, 9]
     got = pairs.successors_host(np.full((V, 2), EMPTY, dtype=np.int32), np.array([[1], [2], [3]]),

@@ -1,4 +1,5 @@
-"""Sampling: transformers-compatible logits processing, and the tree walk keeps the distribution."""
+"""Sampling: transformers-compatible logits processing, position-keyed draws made on the device,
+and the tree walk over them keeps the distribution."""
 
 from __future__ import annotations
 
@@ -12,8 +13,10 @@ from tiny_model import tiny_loaded
 from tr_serve.engine.config import EngineConfig
 from tr_serve.engine.engine import Engine
 from tr_serve.sampling_params import SamplingParams
-from tr_serve.tr.sampling import process_logits, walk_tree
-from tr_serve.tr.tree import compile_tree
+import numpy as np
+
+from tr_serve.runner.sampler import draw, position_uniforms, process_logits, request_seed, sample_rows
+from tr_serve.runner.step_io import RowSampler
 
 
 @pytest.mark.parametrize("temperature,top_k,top_p", [(1.0, 0, 1.0), (0.7, 5, 1.0), (1.3, 0, 0.8), (0.5, 10, 0.6)])
@@ -29,16 +32,34 @@ def test_process_logits_matches_transformers_warpers(temperature, top_k, top_p):
     torch.testing.assert_close(process_logits(logits, temperature, top_k, top_p), expected)
 
 
-def test_walk_tree_follows_drawn_children_then_emits_bonus():
-    tree = compile_tree([(0,), (1,), (0, 0)])  # nodes: 1=(0,), 2=(1,), 3=(0,0)
-    draft = torch.tensor([5, 7, 8, 9])
-    vocab = 12
-    logits = torch.full((4, vocab), -1e9)
-    logits[0, 8] = 0.0  # root: surely draws 8 = node 2's token
-    logits[2, 3] = 0.0  # node 2 has no children: draws 3, the bonus
-    nodes, emitted = walk_tree(draft, logits, tree, 1.0, 0, 1.0, torch.Generator().manual_seed(0))
-    assert nodes.tolist() == [0, 2]
-    assert emitted.tolist() == [8, 3]
+def test_uniforms_depend_on_the_seed_and_the_position_only():
+    u = position_uniforms(np.array([7, 7, 7, 8]), np.array([3, 4, 3, 3]))
+    assert u[0] == u[2]  # the same request and position: the same draw, whatever else is in the step
+    assert len({float(x) for x in u}) == 3 and ((u >= 0) & (u < 1)).all()
+    many = position_uniforms(np.full(20_000, 123), np.arange(20_000))
+    assert abs(many.mean() - 0.5) < 0.01 and abs((many < 0.1).mean() - 0.1) < 0.01  # uniform enough
+    assert request_seed(5) == 5 and request_seed(-1) == (1 << 63) - 1 and 0 <= request_seed(None) < 1 << 63
+
+
+def test_draw_is_the_inverse_cdf_and_never_picks_a_token_without_mass():
+    probs = torch.tensor([[0.0, 0.25, 0.0, 0.75], [0.5, 0.5, 0.0, 0.0], [0.0, 0.0, 0.0, 1.0]])
+    u = torch.tensor([0.2, 0.5, 0.999999999])
+    assert draw(probs, u).tolist() == [1, 1, 3]
+    assert draw(probs[:1], torch.tensor([0.25])).tolist() == [3]  # the boundary belongs to the next token
+    assert draw(probs[1:2], torch.tensor([1.0])).tolist() == [1]  # past the top: the last token with mass
+
+
+def test_sample_rows_draws_only_the_sampled_rows_with_their_settings():
+    torch.manual_seed(0)
+    logits = torch.randn(5, 32) * 4
+    node_rows, positions = np.array([0, 0, 1, 2, 2]), np.array([10, 11, 4, 7, 8])
+    hot, cold = RowSampler(1.0, 0, 1.0, seed=3), RowSampler(0.01, 1, 1.0, seed=4)
+    picked, drawn = sample_rows(logits, node_rows, positions, (hot, None, cold))
+    assert picked.tolist() == [0, 1, 3, 4]
+    assert drawn[2:].tolist() == logits[3:].argmax(-1).tolist()  # top_k=1 leaves the argmax alone
+    again = sample_rows(logits[[0, 1]], node_rows[:2], positions[:2], (hot,))
+    assert again[1].tolist() == drawn[:2].tolist()  # the same seed and positions: the same draws
+    assert sample_rows(logits, node_rows, positions, (None, None, None)) is None
 
 
 def _critical_chi2(df: int, z: float = 3.719) -> float:

@@ -139,11 +139,11 @@ def test_random_trees_against_brute_force():
     assert len(depths_seen) >= 3, "the random cases should cover several acceptance depths"
 
 
-def test_packed_logits_give_the_same_acceptance_as_padded():
-    """Rows of different widths: verify_batch on the runner's packed logits (real nodes only, row
-    order) keeps and emits exactly what it does on the padded [b, q, V] logits, greedy and sampled."""
+def test_packed_choices_give_the_same_acceptance_as_padded():
+    """Rows of different widths: the runner's choices come packed (real nodes only, row order);
+    laid out by ``choices_grid`` they keep and emit exactly what the padded [b, q] choices do."""
     from tr_serve.tr.draft import build_draft
-    from tr_serve.tr.verifier import RowSampling, verify_batch
+    from tr_serve.tr.verifier import accept_draft, choices_grid
 
     tree = compile_tree([[0], [1], [0, 0], [0, 1], [0, 0, 0]])
     g = torch.Generator().manual_seed(3)
@@ -151,35 +151,27 @@ def test_packed_logits_give_the_same_acceptance_as_padded():
     batch = build_draft(drafted, tree, torch.arange(1, tree.num_nodes + 1), row_nodes=[5, 1, 3])
     assert batch.lengths.tolist() == [6, 2, 4]
     real = batch.real_nodes()
-    logits = torch.randn(3, batch.tokens.shape[1], 6, generator=g) * 3
-    for r in range(3):  # make the drafts partly right: each node's first child is the argmax
+    choice = torch.randint(0, 6, tuple(batch.tokens.shape), generator=g)
+    for r in range(3):  # make the drafts partly right: each node's first child is the choice
         for i in range(int(batch.lengths[r])):
             kids = [c for c in range(1, int(batch.lengths[r])) if int(batch.parents[r, c]) == i]
             if kids:
-                logits[r, i, int(batch.tokens[r, kids[0]])] += 10
-    for sampled in (False, True):
-        def run(x):
-            sampling = [RowSampling(1.0, 0, 1.0, torch.Generator().manual_seed(r)) if sampled and r != 1 else None
-                        for r in range(3)]
-            return verify_batch(batch, x, sampling)
-        padded, packed = run(logits), run(logits[real])
-        for a, b in zip(padded.accepted_nodes + padded.emitted, packed.accepted_nodes + packed.emitted):
-            assert torch.equal(a, b)
+                choice[r, i] = batch.tokens[r, kids[0]]
+    padded, packed = accept_draft(batch, choice), accept_draft(batch, choices_grid(batch, choice[real]))
+    for a, b in zip(padded.accepted_nodes + padded.emitted, packed.accepted_nodes + packed.emitted):
+        assert torch.equal(a, b)
     assert max(len(n) for n in padded.accepted_nodes) > 1  # some drafts were accepted
+    assert choices_grid(batch, choice[real])[1].tolist() == choice[1, :2].tolist() + [0] * 4
 
 
-def test_a_given_argmax_is_used_as_the_models_choices():
-    """verify_batch takes the argmax the engine already has (runner/top_k.py) in place of its own:
-    the same outcome when it is the argmax, and it is what decides (a different one changes it)."""
+def test_the_choices_decide_what_is_accepted():
+    """A different choice after the root changes the outcome: acceptance reads the runner's choices."""
     from tr_serve.tr.draft import build_draft
-    from tr_serve.tr.verifier import verify_batch
+    from tr_serve.tr.verifier import accept_draft, choices_grid
 
     batch = build_draft(torch.tensor([DRAFT, DRAFT]), SMALL, torch.arange(1, SMALL.num_nodes + 1), row_nodes=[5, 2])
-    choices = [[2, 4, 0, 6, 0, 9], [3, 0, 0, 0, 0, 0]]
-    logits = logits_for(choices)[batch.real_nodes()]  # packed, as the runner returns rows of two widths
-    own = verify_batch(batch, logits, [None, None])
-    given = verify_batch(batch, logits, [None, None], logits.argmax(dim=-1))
-    assert [e.tolist() for e in own.emitted] == [e.tolist() for e in given.emitted] == [[2, 4, 6, 9], [3, 0]]
-    other = logits.argmax(dim=-1)
-    other[0] = 3  # the model's token after the root is now b's
-    assert [e.tolist() for e in verify_batch(batch, logits, [None, None], other).emitted] == [[3, 0], [3, 0]]
+    choices = torch.tensor([[2, 4, 0, 6, 0, 9], [3, 0, 0, 0, 0, 0]])
+    packed = choices[batch.real_nodes()]
+    assert [e.tolist() for e in accept_draft(batch, choices_grid(batch, packed)).emitted] == [[2, 4, 6, 9], [3, 0]]
+    packed[0] = 3  # the model's token after the root is now b's
+    assert [e.tolist() for e in accept_draft(batch, choices_grid(batch, packed)).emitted] == [[3, 0], [3, 0]]

@@ -11,7 +11,6 @@ import itertools
 import time
 from typing import Any, Callable
 
-import numpy as np
 import torch
 
 from tr_serve.engine.config import EngineConfig
@@ -27,18 +26,17 @@ from tr_serve.engine.timing import PhaseTimer
 from tr_serve.model_loader import LoadedModel
 from tr_serve.runner.cpu_kernels import select_plan
 from tr_serve.runner.model_runner import ModelRunner, rows_within_budget
-from tr_serve.runner.top_k import top_k_rows
+from tr_serve.runner.sampler import request_seed
+from tr_serve.runner.step_io import NextTokens, RowSampler, StepSampling
 from tr_serve.sampling_params import SamplingParams
-from tr_serve.tr.argmax import argmax_rows
 from tr_serve.tr.budget import StepLatency
 from tr_serve.tr.draft import DraftBatch
 from tr_serve.tr.drafter import Drafter
 from tr_serve.tr.matrix import EMPTY, AdjacencyMatrix, last_occurrences
 from tr_serve.tr.pair_table import PairTable
-from tr_serve.tr.sampling import process_logits, sample_token
 from tr_serve.tr.tree import compile_tree, load_template
 from tr_serve.tr.tree_spec import parse_tree_spec
-from tr_serve.tr.verifier import RowSampling, verify_batch
+from tr_serve.tr.verifier import accept_draft, choices_grid
 
 _ids = itertools.count()
 
@@ -77,7 +75,9 @@ class Engine:
         else:
             self.runner, self.num_rows = runner(max_len)
         vocab = self.runner.vocab_size
-        self.matrix = matrix if matrix is not None else AdjacencyMatrix(vocab, config.k, device=self.runner.device)
+        # the matrix lives on the host whatever the model's device: drafting reads it there and the
+        # step's one copy from the device brings the top-k ids it recycles (runner/step_io.py)
+        self.matrix = matrix if matrix is not None else AdjacencyMatrix(vocab, config.k)
         if self.spec.uses_matrix and config.matrix_prior and runner is None:
             self._seed_prior(loaded, vocab)
         self.pairs = (PairTable(vocab, config.k, config.pair_table_slots, device=self.matrix.device)
@@ -90,7 +90,8 @@ class Engine:
                 from tr_serve.runner.calibration import load_or_measure
 
                 max_q = self.num_rows * (scratch + 1)
-                latency = StepLatency(load_or_measure(self.runner, loaded.model_id, max_q))
+                recycle_k = config.k if self.spec.uses_matrix else 0
+                latency = StepLatency(load_or_measure(self.runner, loaded.model_id, max_q, recycle_k))
             self.drafter = Drafter(self.spec, template, self.matrix, latency, self.pairs)
         self.scheduler = Scheduler(self.num_rows, config.max_prefill_tokens)
 
@@ -139,8 +140,7 @@ class Engine:
                       IncrementalDetokenizer(self.tokenizer))
         self.scheduler.add(req)  # ValueError for an id in use, before anything else is made for it
         if not params.greedy:
-            req.generator = torch.Generator(device=self.runner.device)  # multinomial needs it on the logits' device
-            req.generator.manual_seed(params.seed if params.seed is not None else torch.seed())
+            req.sampler = RowSampler(params.temperature, params.top_k, params.top_p, request_seed(params.seed))
         req.stats.prompt_tokens = len(prompt_ids)
         return req.request_id
 
@@ -183,7 +183,7 @@ class Engine:
         seeding = self.seeds_prompts
         seeds = [last_occurrences(c) for c in chunks] if seeding else None  # the positions recycle keeps
         with self.timer.phase("prefill"):
-            last_logits, seed_logits = self.runner.prefill(rows, chunks, logit_positions=seeds)
+            out = self.runner.prefill_step(rows, chunks, self._sampling(batch), seed_positions=seeds)
         done = []
         for i, (req, chunk) in enumerate(zip(batch, chunks)):
             start = req.num_prefilled
@@ -192,17 +192,17 @@ class Engine:
                 with self.timer.phase("recycle"):
                     if seeding:
                         keep = seeds[i]
-                        self.matrix.recycle(torch.tensor(chunk)[keep], seed_logits[i], pairs=self.pairs,
+                        self.matrix.recycle(torch.tensor(chunk)[keep], out.seeds[i], pairs=self.pairs,
                                             before=self._prompt_tokens_before(req, start, keep))
                     elif req.num_prefilled == len(req.prompt_ids):
-                        self.matrix.recycle(torch.tensor(chunk[-1:]), last_logits[i : i + 1], pairs=self.pairs,
+                        self.matrix.recycle(torch.tensor(chunk[-1:]), out.last.top_k[i : i + 1], pairs=self.pairs,
                                             before=self._prompt_tokens_before(req, start, [len(chunk) - 1]))
             if req.num_prefilled == len(req.prompt_ids):
-                done.append((req, last_logits[i]))
+                done.append((req, int(out.last.choices[i])))
         with self.timer.phase("postprocess"):
-            for req, logits in done:
+            for req, token in done:
                 self.scheduler.start_decoding(req)
-                append_token(req, self._first_token(req, logits), self.eos_ids, self._context_full(req))
+                append_token(req, token, self.eos_ids, self._context_full(req))
         return batch
 
     def _prompt_tokens_before(self, req: Request, start: int, positions: list[int]) -> torch.Tensor | None:
@@ -241,11 +241,9 @@ class Engine:
             return self.spec.context and not self.spec.auto_budget
         return self.config.pair_table
 
-    def _first_token(self, req: Request, logits: torch.Tensor) -> int:
-        p = req.params
-        if p.greedy:
-            return int(argmax_rows(logits.reshape(1, -1))[0])
-        return sample_token(process_logits(logits, p.temperature, p.top_k, p.top_p), req.generator)  # on the device
+    def _sampling(self, batch: list[Request]) -> StepSampling:
+        """How the runner picks each row's next tokens, and how many top-k ids the matrix recycles."""
+        return StepSampling(tuple(r.sampler for r in batch), self.matrix.k if self.spec.uses_matrix else 0)
 
     def _draft(self, batch: list[Request]) -> DraftBatch:
         roots = torch.tensor([r.last_token for r in batch])
@@ -276,13 +274,11 @@ class Engine:
             draft = self._draft(batch)
         t0 = time.perf_counter()
         with self.timer.phase("forward"):
-            logits = self.runner.verify(rows, draft.tokens, draft.depths, draft.mask, draft.lengths)
+            out: NextTokens = self.runner.verify_step(rows, draft.tokens, draft.depths, draft.mask, draft.lengths,
+                                                      self._sampling(batch))
         with self.timer.phase("accept"):
-            sampling = [None if r.params.greedy else RowSampling(r.params.temperature, r.params.top_k,
-                                                                 r.params.top_p, r.generator) for r in batch]
-            # the argmax of every node and, for the matrix, its top-k: one pass (None: torch's two)
-            top = top_k_rows(logits.reshape(-1, logits.shape[-1]), self.matrix.k if self.spec.uses_matrix else 1)
-            acceptance = verify_batch(draft, logits, sampling, top[:, 0] if top is not None else None)
+            # sampled rows walk their tree over their draws exactly as greedy rows over their argmax
+            acceptance = accept_draft(draft, choices_grid(draft, out.choices))
             seconds = time.perf_counter() - t0 if self.config.online_latency else None
             accepted, emitted = acceptance.accepted_nodes, acceptance.emitted
             if self.drafter is not None:
@@ -291,27 +287,25 @@ class Engine:
             self.runner.compact(rows, accepted)
         if self.spec.uses_matrix:
             with self.timer.phase("recycle"):
-                on_path = np.zeros(tuple(draft.tokens.shape), dtype=bool)  # the nodes each row kept
-                for i, nodes in enumerate(accepted):
-                    on_path[i, nodes.numpy()] = True
-                on_path = torch.from_numpy(on_path)
-                real = draft.real_nodes() if logits.dim() == 2 else None  # packed logits: real nodes only
+                on_path = acceptance.accepted_mask.numpy()  # the nodes each row kept
+                real = draft.real_nodes()  # the runner's ids are the real nodes', packed in row order
                 before = draft.tokens_before() if draft.before_roots is not None else None
                 if real is None:
-                    self.matrix.recycle(draft.tokens, logits, preferred=on_path, pairs=self.pairs, before=before,
-                                        top=top)
+                    self.matrix.recycle(draft.tokens.reshape(-1), out.top_k,
+                                        preferred=torch.from_numpy(on_path.reshape(-1)), pairs=self.pairs,
+                                        before=before.reshape(-1) if before is not None else None)
                 else:
-                    self.matrix.recycle(draft.tokens[real], logits, preferred=on_path[real], pairs=self.pairs,
-                                        before=before[real] if before is not None else None, top=top)
+                    self.matrix.recycle(draft.tokens[real], out.top_k, preferred=torch.from_numpy(on_path[real.numpy()]),
+                                        pairs=self.pairs, before=before[real] if before is not None else None)
         with self.timer.phase("postprocess"):
-            for req, out, nodes in zip(batch, emitted, draft.nodes_per_row()):
+            for req, emit, nodes in zip(batch, emitted, draft.nodes_per_row()):
                 kept = 0  # tokens of this step that made it into the output (a stop cuts the rest)
-                for token in out.tolist():
+                for token in emit.tolist():
                     kept += 1
                     if append_token(req, token, self.eos_ids, self._context_full(req)):
                         break
                 req.stats.accepted_per_step.append(kept)
-                req.stats.dropped_at_stop = len(out) - kept
+                req.stats.dropped_at_stop = len(emit) - kept
                 req.stats.tree_nodes_per_step.append(nodes)
 
     def _context_full(self, req: Request) -> bool:

@@ -64,7 +64,7 @@ class Request:
     num_prefilled: int = 0  # prompt tokens already written to the KV cache
     finish_reason: FinishReason | None = None
     text: str = ""  # output text, cut at a stop string
-    generator: "torch.Generator | None" = None  # per-request RNG of a sampled request
+    sampler: "RowSampler | None" = None  # how a sampled request draws (its seed included); None: greedy
     context: ContextIndex | None = None  # prompt + output index of the context branch (tr/context_index.py)
     _sent_chars: int = 0
     _sent_tokens: int = 0

@@ -14,6 +14,7 @@ from tr_serve.disk_cache import load_json, load_or_make, save_json
 from tr_serve.model_loader import cache_root
 from tr_serve.runner import layer_driver, layer_ops, panel_gemm, tree_attention
 from tr_serve.runner.model_runner import ModelRunner
+from tr_serve.runner.step_io import StepRunner, StepSampling
 from tr_serve.tr.budget import LatencyTable
 
 logger = logging.getLogger(__name__)
@@ -28,13 +29,14 @@ logger = logging.getLogger(__name__)
 POINTS = (1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 12, 16, 17, 20, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 648)
 
 
-def _device_name(device: torch.device) -> str:
+def device_name(device: torch.device) -> str:
+    """What the latency table is keyed by: the accelerator's name, or the CPU and its torch threads."""
     if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
+        return torch.cuda.getdevice_name(device)
     return f"{platform.machine()}-{platform.processor() or 'cpu'}-threads{torch.get_num_threads()}"
 
 
-def calibration_key(model_id: str, runner: ModelRunner) -> str:
+def calibration_key(model_id: str, runner: StepRunner, recycle_k: int = 0) -> str:
     attention = "tree-attention" if getattr(runner, "tree_attention", False) else "sdpa"  # the kernels timed
     if getattr(runner, "layer_ops", False):
         attention += "+layer-ops"
@@ -45,13 +47,18 @@ def calibration_key(model_id: str, runner: ModelRunner) -> str:
     # the widths the tree attention (and so the C loop) takes: which path a one-row step of 17-64 tokens timed
     attention += f"-widths{tree_attention.MAX_WIDTH}-{tree_attention.MAX_WIDTH_ROWS}-{tree_attention.MAX_WIDTH_C_LOOP}"
     # a table measured at other counts, otherwise or with other compiled kernels is measured again
-    raw = (f"{model_id}|{_device_name(runner.device)}|{runner.dtype}|{torch.__version__}|{runner.kernel_plan}|"
-           f"{attention}|{kernels}|{POINTS}|median")
+    # where the forward runs: the workers' device and world size under tensor parallelism
+    where = getattr(runner, "device_name", None) or device_name(runner.device)
+    raw = (f"{model_id}|{where}|{runner.dtype}|{torch.__version__}|{runner.kernel_plan}|"
+           f"{attention}|{kernels}|{POINTS}|median|verify_step-k{recycle_k}")
     return hashlib.sha256(raw.encode()).hexdigest()[:20]
 
 
-def measure(runner: ModelRunner, max_tokens: int, context: int = 256, repeats: int = 5) -> LatencyTable:
-    """Latency of one forward of ``q`` tokens on row 0 over a ``context``-token prefix: the median
+def measure(runner: StepRunner, max_tokens: int, context: int = 256, repeats: int = 5,
+            recycle_k: int = 0) -> LatencyTable:
+    """Latency of one verify step of ``q`` tokens on row 0 over a ``context``-token prefix, as the
+    engine calls it (``verify_step``: the forward, the reduction to ids with ``recycle_k`` top-k
+    ids per node, and their way to the host; under tensor parallelism the round trip): the median
     over ``repeats`` interleaved rounds (every count once per round, the order reversed every other
     round, so a busy moment of the machine lands on different counts), counts above 128 once; the
     row is left empty afterwards.
@@ -66,20 +73,21 @@ def measure(runner: ModelRunner, max_tokens: int, context: int = 256, repeats: i
     points = [q for q in POINTS if q <= max_tokens and context + q <= runner.max_len] or [1]
     runner.free(0)
     high = min(1000, runner.vocab_size)  # any valid ids: latency does not depend on them
-    runner.prefill(row, [[10 + i % (high - 10) for i in range(context)]])
-    inputs = {q: (torch.randint(10, high, (1, q)), torch.arange(q), torch.ones(q, q, dtype=torch.bool).tril())
-              for q in points}
+    greedy = StepSampling((None,), recycle_k)
+    runner.prefill_step(row, [[10 + i % (high - 10) for i in range(context)]], greedy)
+    inputs = {q: (torch.randint(10, high, (1, q)), torch.arange(q), torch.ones(q, q, dtype=torch.bool).tril(), None,
+                  greedy) for q in points}
     sync = torch.cuda.synchronize if runner.device.type == "cuda" else (lambda: None)
     timed: dict[int, list[float]] = {q: [] for q in points}
     for q in points:
-        runner.verify(row, *inputs[q])  # warm-up for this shape
+        runner.verify_step(row, *inputs[q])  # warm-up for this shape
     for r in range(repeats):
         for q in (points if r % 2 == 0 else points[::-1]):
             if r > 0 and q > 128:
                 continue
             sync()
             t0 = time.perf_counter()
-            runner.verify(row, *inputs[q])
+            runner.verify_step(row, *inputs[q])  # ends with the copy of its ids to the host
             sync()
             timed[q].append(time.perf_counter() - t0)
     runner.free(0)
@@ -90,13 +98,14 @@ def measure(runner: ModelRunner, max_tokens: int, context: int = 256, repeats: i
     return LatencyTable(tuple(points), tuple(seconds))
 
 
-def load_or_measure(runner: ModelRunner, model_id: str, max_tokens: int) -> LatencyTable:
-    path = cache_root() / "calibration" / f"{calibration_key(model_id, runner)}.json"
+def load_or_measure(runner: StepRunner, model_id: str, max_tokens: int, recycle_k: int = 0) -> LatencyTable:
+    path = cache_root() / "calibration" / f"{calibration_key(model_id, runner, recycle_k)}.json"
 
     def calibrate() -> LatencyTable:
-        logger.info("calibrating forward latency on %s (cached in %s)", _device_name(runner.device), path)
-        table = measure(runner, max_tokens)
-        save_json(path, {"tokens": table.tokens, "seconds": table.seconds, "device": _device_name(runner.device),
+        where = getattr(runner, "device_name", None) or device_name(runner.device)
+        logger.info("calibrating forward latency on %s (cached in %s)", where, path)
+        table = measure(runner, max_tokens, recycle_k=recycle_k)
+        save_json(path, {"tokens": table.tokens, "seconds": table.seconds, "device": where,
                          "model": model_id}, "calibration")
         return table
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 
+import numpy as np
 import torch
 
 from tr_serve.model_shape import attention_shape
@@ -16,6 +17,8 @@ from tr_serve.runner import layer_ops, tree_attention
 from tr_serve.runner.cpu_kernels import KernelPlan
 from tr_serve.runner.kv_cache import SlotKVCache
 from tr_serve.runner.llama_body import body_for, supports_layer_ops
+from tr_serve.runner.next_tokens import next_token_ids, on_host, top_ids, unpack
+from tr_serve.runner.step_io import NextTokens, PrefillOutput, StepSampling
 
 
 def build_step_mask(starts: torch.Tensor, local: torch.Tensor, kv_len: int, dtype: torch.dtype,
@@ -40,11 +43,12 @@ def build_step_mask(starts: torch.Tensor, local: torch.Tensor, kv_len: int, dtyp
 
 
 def real_positions(lengths: torch.Tensor | None, q: int, device: torch.device) -> torch.Tensor | None:
-    """[b * q] bool on ``device``: the first lengths[r] tokens of each row of width ``q``; None when
-    no row is padded (nothing to pack)."""
+    """[sum(lengths)] int64 on ``device``: the flat indices of the first lengths[r] tokens of each
+    row of width ``q`` (computed on the host, so selecting them never waits for the device); None
+    when no row is padded (nothing to pack)."""
     if lengths is None or not bool((lengths < q).any()):
         return None
-    return (torch.arange(q)[None, :] < lengths[:, None]).flatten().to(device)
+    return (torch.arange(q)[None, :] < lengths[:, None]).flatten().nonzero().flatten().to(device)
 
 
 def kv_bytes_per_row(config, max_len: int, dtype: torch.dtype) -> int:
@@ -88,14 +92,24 @@ def _bf16_head(model: torch.nn.Module) -> torch.Tensor | bool:
 
 
 class ModelRunner:
-    """Owns the model and its KV cache of ``num_rows`` sequences of at most ``max_len`` tokens."""
+    """Owns the model and its KV cache of ``num_rows`` sequences of at most ``max_len`` tokens.
+
+    The engine's calls (:class:`~tr_serve.runner.step_io.StepRunner`) are :meth:`prefill_step`
+    and :meth:`verify_step`, which return token ids; :meth:`prefill` and :meth:`verify` are the
+    logits they reduce (calibration, tests, studies).
+
+    ``device``: where the step's tensors live, by default the model's; the sync audit passes its
+    stand-in accelerator (runner/sync_audit.py). ``emits``: False on a tensor-parallel rank whose
+    results nobody reads (every rank but 0): it runs the layers and skips the LM head."""
 
     def __init__(self, model: torch.nn.Module, num_rows: int, max_len: int, kernel_plan: KernelPlan | None = None,
-                 tree_attention_enabled: bool = True):
+                 tree_attention_enabled: bool = True, device: torch.device | str | None = None, emits: bool = True):
         cfg = model.config
         self.kernel_plan = kernel_plan  # faster fp32 CPU linears inside this runner's forwards only
         self.model = model
-        self.device = next(model.parameters()).device
+        self.device = torch.device(device) if device is not None else next(model.parameters()).device
+        self.emits = emits
+        self.num_rows = num_rows
         self.dtype = next(model.parameters()).dtype
         self.vocab_size = cfg.vocab_size
         self.max_len = max_len
@@ -103,7 +117,7 @@ class ModelRunner:
         self.cache = SlotKVCache(cfg.num_hidden_layers, num_rows, max_len, kv_heads, head_dim, self.dtype, self.device)
         self._draft_head: torch.Tensor | bool | None = None  # see draft_logits; built at first use
         # fp32 on CPU: attention through the native kernel, one call per layer for every row and width
-        self.tree_attention = (tree_attention_enabled and self.device.type == "cpu" and self.dtype == torch.float32
+        self.tree_attention = (tree_attention_enabled and on_host(self.device) and self.dtype == torch.float32
                                and tree_attention.supports(cfg.num_attention_heads, kv_heads, head_dim)
                                and tree_attention.available())
         # with it, each layer's norms, rotary embedding, cache writes and activation in native calls
@@ -143,15 +157,14 @@ class ModelRunner:
                                                                 self.device)
         with self._kernels(), runner_attention(self.model):
             if body is not None:
-                index = real.nonzero().flatten() if real is not None else None
-                return body(tokens.to(self.device), positions, mask, self.cache, index, widths, queries,
+                return body(tokens.to(self.device), positions, mask, self.cache, real, widths, queries,
                             native=self.layer_ops)
             out = self.model.model(
                 input_ids=tokens.to(self.device), attention_mask=mask, position_ids=positions,
                 cache=self.cache, use_cache=True,
             )
         hidden = out.last_hidden_state.reshape(b * q, -1)
-        return hidden if real is None else hidden[real]
+        return hidden if real is None else hidden.index_select(0, real)
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -165,7 +178,7 @@ class ModelRunner:
         runs in bfloat16 on a CPU with native bfloat16 dot products (measured here, 184 prompt
         positions with the top-k: 93 -> 32 ms); elsewhere these are :meth:`logits`."""
         if self._draft_head is None:
-            self._draft_head = _bf16_head(self.model) if self.device.type == "cpu" else False
+            self._draft_head = _bf16_head(self.model) if on_host(self.device) else False
         if self._draft_head is False:
             return self.logits(hidden)
         return torch.nn.functional.linear(hidden.to(torch.bfloat16), self._draft_head)
@@ -181,16 +194,8 @@ class ModelRunner:
         Returns (last_logits [b, V], per row the logits at its ``logit_positions`` [n_i, V], or
         None): the LM head runs over the last positions and the asked-for ones only.
         """
-        b = len(prompts)
-        lengths = torch.tensor([len(p) for p in prompts])
-        q = int(lengths.max())
-        tokens = torch.zeros(b, q, dtype=torch.long)
-        for i, p in enumerate(prompts):
-            tokens[i, : len(p)] = torch.tensor(p, dtype=torch.long)
-        causal = torch.ones(q, q, dtype=torch.bool).tril()
-        valid = torch.arange(q)[None, :] < lengths[:, None]  # [b, q]
-        local = causal[None] & valid[:, None, :]
-        local = local | torch.eye(q, dtype=torch.bool)[None]  # pad queries see themselves: no empty rows
+        b, lengths, tokens, local = _prefill_inputs(prompts)
+        q = tokens.shape[1]
         hidden = self.forward(rows, tokens, torch.arange(q)[None], local, lengths)  # [sum(lengths), hidden]
         ends = lengths.cumsum(0)
         last_logits = self.logits(hidden[(ends - 1).to(self.device)])  # [b, V]
@@ -230,3 +235,74 @@ class ModelRunner:
 
     def compact(self, rows: torch.Tensor, keep: list[torch.Tensor]) -> None:
         self.cache.compact(rows, keep)
+
+    # ---- the engine's calls: token ids back, not logits ---------------------------------------------
+    @torch.inference_mode()
+    def prefill_step(self, rows: torch.Tensor, prompts: list[list[int]], sampling: StepSampling,
+                     seed_positions: list[list[int]] | None = None) -> PrefillOutput | None:
+        """:meth:`prefill`, reduced on the device to each chunk's next token (and top-k) and the
+        top-k at ``seed_positions``; one copy to the host. None where ``emits`` is False."""
+        starts = [int(self.cache.lens[r]) for r in rows.tolist()]
+        if not self.emits:
+            self._prefill_hidden(rows, prompts)
+            return None
+        last_logits, picked = self.prefill(rows, prompts, logit_positions=seed_positions)
+        k = sampling.recycle_k
+        positions = np.array([s + len(p) for s, p in zip(starts, prompts)], dtype=np.int64)
+        host = on_host(self.device)
+        parts = [next_token_ids(last_logits, sampling, np.arange(len(prompts)), positions, host)]
+        if picked is not None:
+            parts += [torch.nn.functional.pad(top_ids(x, k, host), (1, 0)) for x in picked]  # column 0 unused
+        ids = torch.cat(parts).cpu() if len(parts) > 1 else parts[0].cpu()  # the step's one copy to the host
+        last = unpack(ids[: len(prompts)], k)
+        seeds = None
+        if picked is not None:
+            ends = np.cumsum([len(prompts)] + [x.shape[0] for x in picked])
+            seeds = [ids[a:b, 1:] for a, b in zip(ends[:-1], ends[1:])]
+        return PrefillOutput(last, seeds)
+
+    def _prefill_hidden(self, rows: torch.Tensor, prompts: list[list[int]]) -> None:
+        """:meth:`prefill` without the LM head (a rank whose logits nobody reads)."""
+        b, lengths, tokens, local = _prefill_inputs(prompts)
+        self.forward(rows, tokens, torch.arange(tokens.shape[1])[None], local, lengths)
+        for i, row in enumerate(rows.tolist()):
+            self.cache.set_length(row, int(self.cache.lens[row]) + int(lengths[i]))
+
+    @torch.inference_mode()
+    def verify_step(self, rows: torch.Tensor, tokens: torch.Tensor, depths: torch.Tensor, tree_mask: torch.Tensor,
+                    lengths: torch.Tensor | None, sampling: StepSampling) -> NextTokens | None:
+        """:meth:`verify`, reduced on the device to every real node's next token and top-k, packed
+        in row order; one copy to the host. None where ``emits`` is False."""
+        b, q = tokens.shape
+        if lengths is not None and not bool((lengths < q).any()):
+            lengths = None
+        if not self.emits:
+            self.forward(rows, tokens.clamp(min=0), depths if depths.dim() == 2 else depths[None],
+                         tree_mask if tree_mask.dim() == 3 else tree_mask[None], lengths, verifying=True)
+            return None
+        node_rows = node_positions = None
+        if sampling.any_sampled:  # which row each packed node is, and the position of the token after it
+            starts = self.cache.lens[rows.long()].numpy()
+            grid = np.broadcast_to(depths.numpy() if depths.dim() == 2 else depths.numpy()[None], (b, q))
+            real = np.ones((b, q), dtype=bool) if lengths is None else np.arange(q)[None] < lengths.numpy()[:, None]
+            node_rows = np.broadcast_to(np.arange(b)[:, None], (b, q))[real]
+            node_positions = (starts[:, None] + grid + 1)[real]
+        logits = self.verify(rows, tokens, depths, tree_mask, lengths)
+        ids = next_token_ids(logits.reshape(-1, logits.shape[-1]), sampling, node_rows, node_positions,
+                             on_host(self.device))
+        return unpack(ids.cpu(), sampling.recycle_k)  # the step's one copy to the host
+
+
+def _prefill_inputs(prompts: list[list[int]]):
+    """(b, lengths [b], right-padded tokens [b, q], visibility [b, q, q]) of a ragged prefill."""
+    b = len(prompts)
+    lengths = torch.tensor([len(p) for p in prompts])
+    q = int(lengths.max())
+    tokens = torch.zeros(b, q, dtype=torch.long)
+    for i, p in enumerate(prompts):
+        tokens[i, : len(p)] = torch.tensor(p, dtype=torch.long)
+    causal = torch.ones(q, q, dtype=torch.bool).tril()
+    valid = torch.arange(q)[None, :] < lengths[:, None]  # [b, q]
+    local = causal[None] & valid[:, None, :]
+    local = local | torch.eye(q, dtype=torch.bool)[None]  # pad queries see themselves: no empty rows
+    return b, lengths, tokens, local

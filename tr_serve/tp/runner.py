@@ -10,14 +10,12 @@ keep and nothing for the ranks to disagree on: fleet sync and the budget's onlin
 correction work under TP unchanged, and the budget's latency table is measured through this
 runner (its forwards include the round trip to the workers, which is what a step costs).
 
-What comes back: full float32 logits, exactly what ``ModelRunner`` returns (``[b, q, V]`` for a
-verify; for a prefill the last position's ``[b, V]``, plus every prompt position's when prompt
-seeding asks for them). Argmax acceptance, the matrix's top-k and sampling (``walk_tree`` reads
-whole rows) all read them unchanged. They travel as numpy arrays (Ray's object store moves those
-without pickling; the driver copies them into tensors of its own). What it costs is measured by
-``tr_serve/bench/tp.py`` (``bytes_back_per_step``); see the README: at SmolLM2's vocabulary it is
-a few per cent of a CPU step, at Llama-3-70B's and 32 rows of 80 nodes it would be 1.3 GB per
-step, where the runner should return only argmax, the top-k and the sampled rows' logits.
+What comes back: token ids, exactly what ``ModelRunner.prefill_step`` / ``verify_step`` return
+(runner/step_io.py): rank 0 reduces its logits where they are (argmax, the matrix's top-k, the
+sampled rows' draws) and sends ``[nodes, 1 + K]`` ids, about 93 KB for 32 rows of 81 nodes at
+K = 8 whatever the vocabulary (full float32 logits were 1.33 GB at Llama-3's). The other ranks run
+the layers (their all-reduces) and skip the LM head. ``tr_serve/bench/tp.py`` reports the bytes
+(``bytes_back_per_step``).
 
 Messages: each forward is one Ray call per rank plus its reply (``2 N`` per step); ``free`` and
 ``compact`` do not cost a message of their own: they are queued and travel, in order, with the
@@ -46,10 +44,10 @@ import time
 import uuid
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 from tr_serve.engine.config import EngineConfig
+from tr_serve.runner.step_io import NextTokens, PrefillOutput, StepSampling
 
 logger = logging.getLogger(__name__)
 
@@ -97,7 +95,8 @@ class TransferStats:
 class TPModelRunner:
     def __init__(self, model, config: EngineConfig, tensor_parallel_size: int, *, cpu_threads: int | None = None,
                  step_timeout_s: float = 60.0, ping_timeout_s: float = 10.0, init_timeout_s: float = 600.0,
-                 tag: str | None = None, placement_group=None, measure_bytes: bool = False):
+                 tag: str | None = None, placement_group=None, measure_bytes: bool = False,
+                 sync_audit: bool = False):
         """``model``: a path / hub id / the embedded alias (each worker reads its own slices), or a
         ``LoadedModel`` (shipped to the workers through the object store; small models, tests)."""
         import ray
@@ -119,6 +118,7 @@ class TPModelRunner:
         self.ping_timeout_s = ping_timeout_s
         self.init_timeout_s = init_timeout_s
         self.measure_bytes = measure_bytes
+        self.sync_audit = sync_audit  # the workers count forced device syncs per step (tests)
         self.tag = tag or _serve_replica_tag() or uuid.uuid4().hex[:10]
         cuda = config.device.startswith("cuda")
         self._error: BaseException | None = None
@@ -132,6 +132,7 @@ class TPModelRunner:
         self.num_rows: int | None = None
         self.max_len: int | None = None
         self.kernel_plan: TPKernels | None = None
+        self.device_name: str | None = None
         self._lens: torch.Tensor | None = None
 
         pg = placement_group if placement_group is not None else get_current_placement_group()
@@ -209,14 +210,16 @@ class TPModelRunner:
         rows of ``max_len`` tokens, kernel plan); returns (this runner, the number of rows)."""
         self._raise_if_dead()
         c = self.config
-        replies = self._gather([w.allocate.remote(max_len, c.max_num_seqs, c.kv_cache_memory_gb, c.cpu_kernels)
-                                for w in self.workers], self.init_timeout_s, "start-up")
+        replies = self._gather([w.allocate.remote(max_len, c.max_num_seqs, c.kv_cache_memory_gb, c.cpu_kernels,
+                                                  self.sync_audit) for w in self.workers], self.init_timeout_s, "start-up")
         rows = {r["num_rows"] for r in replies}
         if len(rows) != 1:
             self._fail(TPWorkerError(f"tensor-parallel ranks allocated different KV-cache rows: {sorted(rows)}"))
         self.num_rows = replies[0]["num_rows"]
         self.max_len = max_len
         self.kernel_plan = TPKernels(self.world_size, self.info["backend"], replies[0]["kernel_plan"])
+        # the budget's latency table is keyed by where the forwards run: the workers' device, x world size
+        self.device_name = f"{replies[0]['device_name']} x tp{self.world_size}"
         self._lens = torch.zeros(self.num_rows, dtype=torch.long)
         return self, self.num_rows
 
@@ -237,22 +240,21 @@ class TPModelRunner:
         for row, k in zip(rows.tolist(), keep):
             self._lens[row] += len(k)
 
-    def prefill(self, rows: torch.Tensor, prompts: list[list[int]],
-                logit_positions: list[list[int]] | None = None):
-        """As ``ModelRunner.prefill``: (last_logits [b, V], per row the logits at its
-        ``logit_positions``, or None)."""
+    def prefill_step(self, rows: torch.Tensor, prompts: list[list[int]], sampling: StepSampling,
+                     seed_positions: list[list[int]] | None = None) -> PrefillOutput:
+        """As ``ModelRunner.prefill_step``: rank 0 reduces its logits to ids and sends those back."""
         rows = rows.cpu()
-        result = self._forward(("prefill", rows, [list(p) for p in prompts], logit_positions))
+        result = self._forward(("prefill_step", rows, [list(p) for p in prompts], sampling, seed_positions))
         for row, p in zip(rows.tolist(), prompts):
             self._lens[row] += len(p)
         return result
 
-    def verify(self, rows: torch.Tensor, tokens: torch.Tensor, depths: torch.Tensor, tree_mask: torch.Tensor,
-               lengths: torch.Tensor | None = None) -> torch.Tensor:
-        """As ``ModelRunner.verify``: logits [b, q, V], or packed [sum(lengths), V] when rows are padded;
-        ``lengths`` goes to every rank's runner as given."""
+    def verify_step(self, rows: torch.Tensor, tokens: torch.Tensor, depths: torch.Tensor, tree_mask: torch.Tensor,
+                    lengths: torch.Tensor | None, sampling: StepSampling) -> NextTokens:
+        """As ``ModelRunner.verify_step``: every real node's next token and top-k ids, from rank 0."""
         lengths = lengths.cpu() if lengths is not None else None
-        return self._forward(("verify", rows.cpu(), tokens.cpu(), depths.cpu(), tree_mask.cpu(), lengths))
+        return self._forward(("verify_step", rows.cpu(), tokens.cpu(), depths.cpu(), tree_mask.cpu(), lengths,
+                              sampling))
 
     # ---- health ---------------------------------------------------------------------------------
     def check_health(self) -> None:
@@ -305,14 +307,13 @@ class TPModelRunner:
         payload = ray.put(ops)
         result = self._gather([w.run.remote(payload) for w in self.workers], self.step_timeout_s, "step",
                               detail=op[0])[0]
-        result = _from_host(result)
         t = self.transfer
         t.seconds += time.perf_counter() - t0
         t.forwards += 1
         t.messages += 2 * self.world_size
         if self.measure_bytes:
             t.bytes_out += len(pickle.dumps(ops))
-            t.bytes_back += _tensor_bytes(result)
+            t.bytes_back += len(pickle.dumps(result))
         return result
 
     def _raise_if_dead(self) -> None:
@@ -349,24 +350,6 @@ class TPModelRunner:
                 self._fail(TPWorkerError(f"tensor-parallel worker {names[rank]} failed in {where}: "
                                          f"{type(e).__name__}: {e}"))
         return ray.get(refs)
-
-
-def _from_host(obj):
-    """Rank 0's result as tensors: numpy arrays (read-only views of the object store) copied into
-    tensors of our own, which the engine may modify."""
-    if isinstance(obj, np.ndarray):
-        return torch.from_numpy(np.array(obj, copy=True))
-    if isinstance(obj, (tuple, list)):
-        return type(obj)(_from_host(o) for o in obj)
-    return obj
-
-
-def _tensor_bytes(obj) -> int:
-    if isinstance(obj, torch.Tensor):
-        return obj.numel() * obj.element_size()
-    if isinstance(obj, (tuple, list)):
-        return sum(_tensor_bytes(o) for o in obj)
-    return 0
 
 
 def tp_engine(model, config: EngineConfig, tensor_parallel_size: int, *, matrix=None, timer=None, **runner_options):

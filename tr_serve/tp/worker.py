@@ -15,6 +15,7 @@ it directly.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import socket
@@ -56,6 +57,8 @@ class TPWorker:
             torch.set_num_threads(cpu_threads)
         self.loaded = None
         self.runner = None
+        self.audit = None  # a SyncAudit when allocate(sync_audit=True)
+        self.sync_counts: list[int] = []  # forced device-to-host syncs per run(), when audited
 
     # ---- start-up -----------------------------------------------------------------------------
     def node_id(self) -> str:
@@ -119,10 +122,13 @@ class TPWorker:
     def tokenizer(self):
         return self.loaded.tokenizer
 
-    def allocate(self, max_len: int, max_rows: int, kv_cache_memory_gb: float | None, cpu_kernels: str) -> dict:
+    def allocate(self, max_len: int, max_rows: int, kv_cache_memory_gb: float | None, cpu_kernels: str,
+                 sync_audit: bool = False) -> dict:
         """This rank's ``ModelRunner``: its KV-cache shard of ``num_rows`` rows of ``max_len``
         tokens. The rows follow the engine's rule (``max_num_seqs``, fewer if the KV memory budget
-        says so) for this rank's kv heads: the budget is per device, like the cache shard."""
+        says so) for this rank's kv heads: the budget is per device, like the cache shard.
+        ``sync_audit``: run on the sync audit's stand-in accelerator and count, per :meth:`run`,
+        what would wait for the device (runner/sync_audit.py; tests)."""
         from tr_serve.runner.cpu_kernels import select_plan
         from tr_serve.runner.model_runner import ModelRunner, rows_within_budget
 
@@ -130,15 +136,33 @@ class TPWorker:
         dtype = next(model.parameters()).dtype
         num_rows = rows_within_budget(model.config, max_len, dtype, max_rows, kv_cache_memory_gb)
         plan = select_plan(model) if cpu_kernels == "auto" else None  # None unless fp32 on CPU
-        self.runner = ModelRunner(model, num_rows, max_len, kernel_plan=plan,
-                                  tree_attention_enabled=cpu_kernels == "auto")
-        return {"num_rows": num_rows, "kernel_plan": repr(plan)}
+        device = None
+        if sync_audit:
+            from tr_serve.runner.sync_audit import AUDIT_DEVICE, SyncAudit
+
+            self.audit, device = SyncAudit(), AUDIT_DEVICE
+        with self.audit if self.audit is not None else contextlib.nullcontext():  # the cache on the audited device
+            self.runner = ModelRunner(model, num_rows, max_len, kernel_plan=plan, device=device,
+                                      tree_attention_enabled=cpu_kernels == "auto", emits=self.rank == 0)
+        from tr_serve.runner.calibration import device_name
+
+        return {"num_rows": num_rows, "kernel_plan": repr(plan), "device_name": device_name(self.runner.device)}
 
     # ---- serving ------------------------------------------------------------------------------
     def run(self, ops: list[tuple]) -> Any:
         """Apply ``ops`` in order: ``("free", row)``, ``("compact", rows, keep)``, then at most one
-        forward, ``("prefill", rows, prompts, logit_positions)`` or ``("verify", rows, tokens,
-        depths, tree_mask, lengths)``. Rank 0 returns the forward's result, the others None."""
+        forward, ``("prefill_step", rows, prompts, sampling, seed_positions)`` or ``("verify_step",
+        rows, tokens, depths, tree_mask, lengths, sampling)``. Rank 0 returns the forward's token
+        ids (host tensors, runner/step_io.py), the others None."""
+        if self.audit is None:
+            return self._run(ops)
+        with self.audit:
+            self.audit.reset()
+            result = self._run(ops)
+        self.sync_counts.append(self.audit.count)
+        return result
+
+    def _run(self, ops: list[tuple]) -> Any:
         runner = self.runner
         result = None
         for op in ops:
@@ -147,19 +171,15 @@ class TPWorker:
                 runner.free(op[1])
             elif kind == "compact":
                 runner.compact(op[1], op[2])
-            elif kind == "prefill":
-                result = runner.prefill(op[1], op[2], logit_positions=op[3])
-            elif kind == "verify":
-                _, rows, tokens, depths, mask, lengths = op
-                if lengths is None:  # only passed when given: a runner without the argument still works
-                    result = runner.verify(rows, tokens, depths, mask)
-                else:
-                    result = runner.verify(rows, tokens, depths, mask, lengths=lengths)
+            elif kind == "prefill_step":
+                _, rows, prompts, sampling, seed_positions = op
+                result = runner.prefill_step(rows, prompts, sampling, seed_positions=seed_positions)
+            elif kind == "verify_step":
+                _, rows, tokens, depths, mask, lengths, sampling = op
+                result = runner.verify_step(rows, tokens, depths, mask, lengths, sampling)
             else:
                 raise ValueError(f"unknown runner call {kind!r}")
-        if self.rank != 0:
-            return None
-        return _to_host(result)
+        return result if self.rank == 0 else None
 
     def lengths(self) -> list[int]:
         """This rank's KV-cache lengths (tests: every rank agrees with the driver's mirror)."""
@@ -177,20 +197,6 @@ class TPWorker:
 
         if dist.is_initialized():
             dist.destroy_process_group()
-
-
-def _to_host(result):
-    """The forward's result in host memory (the driver holds no GPU), float32 tensors as numpy
-    arrays: Ray moves those through the object store without pickling them (measured for a step's
-    5.5 MB of SmolLM2 logits: 12 ms round trip instead of 49)."""
-    if result is None:
-        return None
-    if isinstance(result, torch.Tensor):
-        result = result.cpu()
-        return result.numpy() if result.dtype == torch.float32 else result
-    if isinstance(result, (tuple, list)):
-        return type(result)(_to_host(r) for r in result)
-    return result
 
 
 __all__ = ["TPWorker", "free_port", "loopback_interface"]

@@ -11,21 +11,6 @@ EMPTY = -1  # "no candidate": drafts a node that can never be accepted, and is n
 STREAK_CAP = 15  # AdjacencyMatrix.streak saturates here
 
 
-def top_k_indices(logits: torch.Tensor, k: int, block: int = 128) -> torch.Tensor:
-    """``torch.topk(logits, k, dim=-1).indices`` for [n, V] logits, in two short passes: the k
-    blocks of ``block`` logits with the largest maxima hold the top k (a logit outside them is below
-    k block maxima), so only those blocks are ranked. Measured at V = 49152, 2 threads: 16 rows
-    0.86 -> 0.22 ms. Falls back to ``torch.topk`` where V does not split into at least k blocks."""
-    n, v = logits.shape
-    if v % block or v // block < k:
-        return torch.topk(logits, k, dim=-1).indices
-    blocks = logits.reshape(n, v // block, block)
-    best = blocks.amax(dim=-1).topk(k, dim=-1).indices  # [n, k] the blocks holding the top k
-    candidates = blocks.gather(1, best[:, :, None].expand(n, k, block)).reshape(n, k * block)
-    top = candidates.topk(k, dim=-1).indices  # [n, k] into the candidates, best first
-    return best.gather(1, top // block) * block + top % block
-
-
 def last_occurrences(tokens: list[int]) -> list[int]:
     """Positions of the last occurrence of each distinct token, ascending: the only positions whose
     logits a :meth:`AdjacencyMatrix.recycle` of ``tokens`` keeps (the last occurrence wins), so
@@ -96,71 +81,39 @@ class AdjacencyMatrix:
         self._dirty = torch.zeros(vocab_size, dtype=torch.bool, device=device)
         self.streak = torch.zeros(vocab_size, dtype=torch.int8, device=device)
 
-    def recycle(self, tokens: torch.Tensor, logits: torch.Tensor, preferred: torch.Tensor | None = None,
-                pairs: PairRows | None = None, before: torch.Tensor | None = None,
-                top: torch.Tensor | None = None) -> None:
-        """Overwrite the rows of ``tokens`` [n] with the top-k of their next-token ``logits`` [n, V].
+    def recycle(self, tokens: torch.Tensor, top: torch.Tensor, preferred: torch.Tensor | None = None,
+                pairs: PairRows | None = None, before: torch.Tensor | None = None) -> None:
+        """Overwrite the rows of ``tokens`` [n] (or any shape) with ``top`` [n, >= k] (host, or the
+        tokens' shape plus that last axis): the model's top next
+        tokens after each of them, best first (the runner computes them where the logits are).
 
         Tokens that are :data:`EMPTY` (tree nodes that drafted nothing) are skipped. When a token
         occurs at several nodes, a ``preferred`` one (bool [n]: a node on an accepted path, whose
-        logits follow the real text) wins over the others, then the last occurrence: duplicates
-        are dropped before the write, because an indexed write with repeated indices has no
-        defined winner on GPUs. With ``pairs`` and ``before`` [n] (the token before each node,
-        -1 for none), the same top-k also becomes the rows of the pairs (before, token) in the
-        pair table, one winner per pair by the same rule. ``top`` [n, k]: the top-k of every row of
-        ``logits`` when the caller already has it (the engine's one-pass top-k, runner/top_k.py).
+        logits follow the real text) wins over the others, then the last occurrence. With ``pairs``
+        and ``before`` [n] (the token before each node, -1 for none), the same top-k also becomes
+        the rows of the pairs (before, token) in the pair table, one winner per pair by the same
+        rule.
         """
-        # which node's logits each token keeps, decided on the host: a few dozen nodes per step, so
-        # a dict walk beats the tensor version (a vocabulary-sized scatter and ~10 small ops; the
-        # whole recycle measured alone, same table: 13 nodes 0.20 -> 0.16 ms, 20 nodes 0.24 -> 0.20
-        # ms); one small copy to the host on a GPU
+        # which node's ids each token keeps, decided on the host: a few dozen nodes per step, so a
+        # dict walk beats the tensor version (a vocabulary-sized scatter and ~10 small ops)
         token_list = tokens.reshape(-1).tolist()
-        logits = logits.reshape(len(token_list), -1)
         prefer = preferred.reshape(-1).tolist() if preferred is not None else None
-        winner = _winners(token_list, token_list, prefer)  # token -> the node whose logits it keeps
-        pair_winner: dict = {}
+        winner = _winners(token_list, token_list, prefer)  # token -> the node whose ids it keeps
+        if not winner:
+            return
+        top_np = (top.numpy() if isinstance(top, torch.Tensor) else np.asarray(top)).reshape(len(token_list), -1)
+        index = sorted(winner.values())
+        ids = np.asarray([token_list[i] for i in index])  # distinct: one winner per token
+        write_rows_on_host(self.table.numpy(), self.streak.numpy(), self._dirty.numpy(), ids,
+                           top_np[index, : self.k].astype(np.int32))
         if pairs is not None and before is not None:
             before_list = before.reshape(-1).tolist()
             pair_winner = _winners(list(zip(before_list, token_list)), token_list, prefer)
-            pair_winner = {pair: i for pair, i in pair_winner.items() if pair[0] >= 0}  # no token before: no pair
-        if not winner:
-            return
-        index = sorted(winner.values())
-        pair_index = sorted(pair_winner.values())
-        ids = [token_list[i] for i in index]  # distinct: one winner per token
-        if top is not None and not pair_index and top.device.type == "cpu" and self.table.device.type == "cpu":
-            # the common CPU step: the engine's top-k in hand, no pair table: numpy all the way (each
-            # torch call costs several microseconds; measured alone, one row of 6 nodes, the whole
-            # recycle 110 -> 51 us)
-            write_rows_on_host(self.table.numpy(), self.streak.numpy(), self._dirty.numpy(), np.asarray(ids),
-                               top.numpy()[index].astype(np.int32))
-            return
-        ranked = sorted(set(index) | set(pair_index)) if pair_index else index
-        # when most nodes are kept (plain and small steps, prompt seeding) every row is ranked in place
-        # and the kept rows' ranks picked: cheaper than copying the kept rows' logits out first
-        # (measured, 15 rows of 49152: a gather of 13 rows 0.20 ms, a top-k of 2 more rows 0.02 ms)
-        rows = torch.tensor(ranked, dtype=torch.long, device=logits.device)
-        if top is not None:
-            top = top.to(logits.device)[rows]
-        elif 4 * len(ranked) >= 3 * logits.shape[0]:
-            top = top_k_indices(logits, self.k)[rows]
-        else:
-            top = top_k_indices(logits[rows], self.k)
-        top = top.to(device=self.table.device, dtype=torch.int32)
-        at = {node: i for i, node in enumerate(ranked)}
-        mine = top if ranked is index else top[torch.tensor([at[i] for i in index], dtype=torch.long)]
-        if self.table.device.type == "cpu":
-            # numpy on views of the CPU tensors: right after a forward each torch op here cost several
-            # microseconds more (measured in the engine at 8 rows, the whole recycle: 0.18-0.20 -> 0.13 ms per step)
-            write_rows_on_host(self.table.numpy(), self.streak.numpy(), self._dirty.numpy(), np.asarray(ids),
-                               mine.numpy())
-        else:
-            ids_at = torch.tensor(ids, dtype=torch.long, device=self.table.device)
-            write_rows_on_device(self.table, self.streak, self._dirty, ids_at, mine)
-        if pair_index:
-            picked = top[torch.tensor([at[i] for i in pair_index], dtype=torch.long)]
-            pairs.write(torch.tensor([before_list[i] for i in pair_index], dtype=torch.long),
-                        torch.tensor([token_list[i] for i in pair_index], dtype=torch.long), picked)
+            pair_index = sorted(i for pair, i in pair_winner.items() if pair[0] >= 0)  # no token before: no pair
+            if pair_index:
+                pairs.write(torch.tensor([before_list[i] for i in pair_index], dtype=torch.long),
+                            torch.tensor([token_list[i] for i in pair_index], dtype=torch.long),
+                            torch.from_numpy(top_np[pair_index, : self.k].astype(np.int32)))
 
     @property
     def device(self) -> torch.device:

@@ -2,15 +2,12 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
-from typing import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from tr_serve.tr.argmax import argmax_rows
 from tr_serve.tr.draft import DraftBatch, build_draft
-from tr_serve.tr.sampling import walk_tree
 from tr_serve.tr.tree import CompiledTree
 
 
@@ -24,8 +21,8 @@ class Acceptance:
 
     accepted_nodes: list[torch.Tensor]
     emitted: list[torch.Tensor]
-    choices: torch.Tensor  # [b, q] the model's argmax token after every input (every row: the
-    # acceptance statistics read it, for sampled rows as a proxy of the draws)
+    choices: torch.Tensor  # [b, q] the model's token after every input: its argmax, or a sampled
+    # row's draw (runner/sampler.py); the acceptance statistics read it
     accepted_mask: torch.Tensor | None = None  # [b, q] nodes whose whole path equals the argmax choices
 
     @property
@@ -58,6 +55,22 @@ def accept_greedy(draft: torch.Tensor, logits: torch.Tensor, tree: CompiledTree)
     return accept_choices(draft, logits.argmax(dim=-1), tree)
 
 
+def choices_grid(batch: DraftBatch, choices: torch.Tensor) -> np.ndarray:
+    """[b, q] int64 on the host: the runner's ``choices`` (one per real node, packed in row order,
+    runner/step_io.py) laid out as the batch's nodes; padding gets token 0, never read (a padded
+    node is never accepted and has no children).
+
+    Example: rows of 3 and 1 real nodes (q = 3), choices [7, 8, 9, 4] -> [[7, 8, 9], [4, 0, 0]]."""
+    values = choices.numpy() if isinstance(choices, torch.Tensor) else np.asarray(choices)
+    b, q = batch.tokens.shape
+    real = batch.real_nodes()
+    if real is None:
+        return values.reshape(b, q)
+    grid = np.zeros((b, q), dtype=np.int64)
+    grid[real.numpy()] = values
+    return grid
+
+
 def accept_choices(draft: torch.Tensor, choice: torch.Tensor, tree: CompiledTree) -> Acceptance:
     return accept_draft(build_draft(draft.cpu(), tree, torch.arange(1, tree.num_nodes + 1)), choice)
 
@@ -78,11 +91,11 @@ def accepted_mask(batch: DraftBatch, choice: np.ndarray) -> np.ndarray:
     return ok
 
 
-def accept_draft(batch: DraftBatch, choice: torch.Tensor) -> Acceptance:
+def accept_draft(batch: DraftBatch, choice: torch.Tensor | np.ndarray) -> Acceptance:
     """Per row, the deepest accepted node's path (siblings hold distinct tokens, so the accepted
-    nodes form one chain), then the model's token after it: the bonus."""
-    choice = choice.cpu()
-    choice_np = choice.numpy()
+    nodes form one chain), then the model's token after it: the bonus. choice [b, q] on the host."""
+    choice_np = choice.numpy() if isinstance(choice, torch.Tensor) else np.ascontiguousarray(choice)
+    choice = torch.from_numpy(choice_np)
     ok = accepted_mask(batch, choice_np)
     best = np.where(ok, batch.row_depths().cpu().numpy(), -1).argmax(axis=1).tolist()
     parents = batch.parents.cpu().numpy().tolist()
@@ -96,45 +109,3 @@ def accept_draft(batch: DraftBatch, choice: torch.Tensor) -> Acceptance:
         accepted.append(torch.tensor(path))
         emitted.append(torch.tensor([tokens[r][i] for i in path[1:]] + [int(choice_np[r, node])]))
     return Acceptance(accepted, emitted, choice, torch.from_numpy(ok))
-
-
-@dataclass(frozen=True)
-class RowSampling:
-    """How a sampled row draws (a greedy row has none): processed as transformers does, with the
-    request's own generator on the logits' device."""
-
-    temperature: float
-    top_k: int
-    top_p: float
-    generator: torch.Generator | None
-
-
-def verify_batch(batch: DraftBatch, logits: torch.Tensor, sampling: Sequence[RowSampling | None],
-                 argmax: torch.Tensor | None = None) -> Acceptance:
-    """The one verification entry point for a batch of greedy and sampled rows.
-
-    logits [b, q, V], or packed [sum(lengths), V] at ``batch.real_nodes()`` (the runner's verify
-    on padded rows); sampling[r] None for a greedy row. Greedy rows keep the longest path equal
-    to the model's argmax, plus the bonus; sampled rows walk their tree with one draw per emitted
-    token (tr/sampling.py). The result holds what every row actually keeps and emits. ``argmax``:
-    the argmax of every row of ``logits`` as laid out ([b * q] or [sum(lengths)]), when the caller
-    already has it (the engine's one-pass top-k, runner/top_k.py)."""
-    real = batch.real_nodes() if logits.dim() == 2 else None
-    if argmax is None:
-        argmax = argmax_rows(logits.reshape(-1, logits.shape[-1]))  # waits for the forward
-    if real is None:
-        choice = argmax.view(logits.shape[:-1])
-    else:  # padding: token 0, never read (a padded node is never accepted and has no children)
-        choice = torch.zeros(real.shape, dtype=torch.long)
-        choice[real] = argmax.cpu()
-    acceptance = accept_draft(batch, choice)
-    if all(s is None for s in sampling):
-        return acceptance
-    accepted, emitted = list(acceptance.accepted_nodes), list(acceptance.emitted)
-    starts = [0] + batch.lengths.cumsum(0).tolist() if real is not None else None
-    for r, s in enumerate(sampling):
-        if s is not None:
-            row_logits = logits[r] if real is None else logits[starts[r] : starts[r + 1]]
-            accepted[r], emitted[r] = walk_tree(batch.tokens[r], row_logits, batch.children(r), s.temperature,
-                                                s.top_k, s.top_p, s.generator)
-    return replace(acceptance, accepted_nodes=accepted, emitted=emitted)
