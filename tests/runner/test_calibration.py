@@ -85,3 +85,17 @@ def test_a_changed_native_kernel_keys_a_new_table_and_plan(tokenizer, monkeypatc
     monkeypatch.setattr(layer_driver.KERNEL, "tried", True)
     monkeypatch.setattr(layer_driver.KERNEL, "lib", None)  # no driver on this machine: the Python loop's table
     assert calibration.calibration_key("m", runner) != table
+
+
+def test_measure_adds_steps_of_several_rows(tokenizer):
+    from tests.tiny_model import tiny_loaded
+
+    runner = ModelRunner(tiny_loaded(tokenizer).model, 8, 64)
+    table = calibration.measure(runner, max_tokens=64, context=16, repeats=1, row_counts=(4, 8, 16))
+    measured = {(rows, width) for rows, width, _ in table.row_offsets}
+    # 16 rows: more than the runner has; 4 x 16 and 8 x 16 tokens: past the table (48 tokens fit a 64-slot row)
+    assert table.tokens[-1] == 48 and measured == {(4, 1), (4, 4), (8, 1), (8, 4)}
+    assert all(runner.length(r) == 0 for r in range(8))  # every row left empty
+    parsed = calibration.parse_table({"tokens": list(table.tokens), "seconds": list(table.seconds),
+                                      "row_offsets": [list(o) for o in table.row_offsets]}, 48)
+    assert parsed == table

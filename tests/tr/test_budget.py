@@ -699,3 +699,19 @@ def test_a_plan_of_rows_without_branches_is_reused_for_a_few_steps_only(monkeypa
     budget.explore_every = 1000
     budget.order_version += 1  # a new order: the kept plans' nodes are other nodes
     assert plan([[]]) == ([(2, 0)], True)
+
+
+def test_row_counts_measured_at_start_up_price_unseen_row_counts():
+    # calibration measured 8 and 32 rows (runner/calibration.py): between them the offset is
+    # interpolated, below 8 from one row's none, past 32 in proportion to the rows
+    table = LatencyTable((1, 512), (0.010, 0.020), row_offsets=((8, 1, 0.004), (32, 1, 0.012), (32, 16, 0.030)))
+    latency = StepLatency(table)
+    assert latency(8, 8, 1) == pytest.approx(table(8) + 0.004)  # measured
+    assert latency(32, 512, 16) == pytest.approx(table(512) + 0.030)
+    assert latency(1, 4, 4) == table(4)  # one row: the table itself
+    assert latency(4, 4, 1) == pytest.approx(table(4) + 0.004 * 3 / 7)
+    assert latency(20, 20, 1) == pytest.approx(table(20) + 0.004 + 0.008 * 12 / 24)
+    assert latency(64, 64, 1) == pytest.approx(table(64) + 0.012 * 2)
+    latency.observe(20, 20, 0.050, width=1)  # what the engine measures then takes over
+    assert latency(20, 20, 1) == pytest.approx(0.050)
+    assert StepLatency(LatencyTable((1, 64), (1.0, 1.1)))(4, 8, 1) == LatencyTable((1, 64), (1.0, 1.1))(8)

@@ -50,12 +50,18 @@ def calibration_key(model_id: str, runner: StepRunner, recycle_k: int = 0) -> st
     # where the forward runs: the workers' device and world size under tensor parallelism
     where = getattr(runner, "device_name", None) or device_name(runner.device)
     raw = (f"{model_id}|{where}|{runner.dtype}|{torch.__version__}|{runner.kernel_plan}|"
-           f"{attention}|{kernels}|{POINTS}|median|verify_step-k{recycle_k}")
+           f"{attention}|{kernels}|{POINTS}|median|verify_step-k{recycle_k}|rows{ROW_COUNTS}x{ROW_WIDTHS}")
     return hashlib.sha256(raw.encode()).hexdigest()[:20]
 
 
+# several rows at once: the row counts (at most the runner's) and tokens per row measured beside the
+# one-row table; on a GPU a step of many short rows costs its rows' attention, which one row cannot show
+ROW_COUNTS = (8, 32)
+ROW_WIDTHS = (1, 4, 16)
+
+
 def measure(runner: StepRunner, max_tokens: int, context: int = 256, repeats: int = 5,
-            recycle_k: int = 0) -> LatencyTable:
+            recycle_k: int = 0, row_counts: tuple[int, ...] = ROW_COUNTS) -> LatencyTable:
     """Latency of one verify step of ``q`` tokens on row 0 over a ``context``-token prefix, as the
     engine calls it (``verify_step``: the forward, the reduction to ids with ``recycle_k`` top-k
     ids per node, and their way to the host; under tensor parallelism the round trip): the median
@@ -95,7 +101,43 @@ def measure(runner: StepRunner, max_tokens: int, context: int = 256, repeats: in
     # a forward over more tokens never costs less: a running minimum from the right removes noise
     for i in range(len(seconds) - 2, -1, -1):
         seconds[i] = min(seconds[i], seconds[i + 1])
-    return LatencyTable(tuple(points), tuple(seconds))
+    table = LatencyTable(tuple(points), tuple(seconds))
+    offsets = _row_offsets(runner, table, context, max(3, repeats // 2), recycle_k, row_counts, sync)
+    return LatencyTable(table.tokens, table.seconds, offsets)
+
+
+def _row_offsets(runner: StepRunner, table: LatencyTable, context: int, repeats: int, recycle_k: int,
+                 row_counts: tuple[int, ...], sync) -> tuple[tuple[int, int, float], ...]:
+    """(rows, tokens per row, median seconds over the one-row table) of steps on several rows,
+    each over a ``context``-token prefix; the rows are left empty afterwards."""
+    out = []
+    high = min(1000, runner.vocab_size)
+    for n in row_counts:
+        if n > runner.num_rows:
+            continue
+        rows = torch.arange(n)
+        widths = [w for w in ROW_WIDTHS if context + w <= runner.max_len and n * w <= table.tokens[-1]]
+        if not widths:
+            continue
+        greedy = StepSampling((None,) * n, recycle_k)
+        for r in range(n):
+            runner.free(r)
+        runner.prefill_step(rows, [[10 + (i + r) % (high - 10) for i in range(context)] for r in range(n)], greedy)
+        for w in widths:
+            inputs = (torch.randint(10, high, (n, w)), torch.arange(w), torch.ones(w, w, dtype=torch.bool).tril(),
+                      None, greedy)
+            runner.verify_step(rows, *inputs)  # warm-up for this shape
+            timed = []
+            for _ in range(repeats):
+                sync()
+                t0 = time.perf_counter()
+                runner.verify_step(rows, *inputs)
+                sync()
+                timed.append(time.perf_counter() - t0)
+            out.append((n, w, statistics.median(timed) - table(n * w)))
+        for r in range(n):
+            runner.free(r)
+    return tuple(out)
 
 
 def load_or_measure(runner: StepRunner, model_id: str, max_tokens: int, recycle_k: int = 0) -> LatencyTable:
@@ -105,7 +147,8 @@ def load_or_measure(runner: StepRunner, model_id: str, max_tokens: int, recycle_
         where = getattr(runner, "device_name", None) or device_name(runner.device)
         logger.info("calibrating forward latency on %s (cached in %s)", where, path)
         table = measure(runner, max_tokens, recycle_k=recycle_k)
-        save_json(path, {"tokens": table.tokens, "seconds": table.seconds, "device": where,
+        save_json(path, {"tokens": table.tokens, "seconds": table.seconds,
+                         "row_offsets": [list(o) for o in table.row_offsets], "device": where,
                          "model": model_id}, "calibration")
         return table
 
@@ -116,5 +159,6 @@ def load_or_measure(runner: StepRunner, model_id: str, max_tokens: int, recycle_
 
 def parse_table(data: dict, max_tokens: int) -> LatencyTable | None:
     """A cached table, or None when it does not reach ``max_tokens`` query tokens."""
-    table = LatencyTable(tuple(data["tokens"]), tuple(data["seconds"]))
+    table = LatencyTable(tuple(data["tokens"]), tuple(data["seconds"]),
+                         tuple((int(r), int(w), float(o)) for r, w, o in data.get("row_offsets", ())))
     return table if table.tokens and table.tokens[-1] >= min(max_tokens, POINTS[-1]) else None

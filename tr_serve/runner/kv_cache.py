@@ -171,19 +171,31 @@ class SlotKVCache(Cache):
 
     def compact(self, rows: torch.Tensor, keep_offsets: list[torch.Tensor]) -> None:
         """Keep, for each row, the step's new entries at ``lens[row] + keep_offsets[i]`` (ascending,
-        first is 0) moved to ``lens[row] + 0..len-1``, then advance ``lens``. One gather/scatter per
-        row over all layers at once."""
+        first is 0) moved to ``lens[row] + 0..len-1``, then advance ``lens``.
+
+        The moves are planned on the host (``lens`` and the offsets live there) and run as one
+        gather and one scatter over all layers and rows at once, with the indices sent to the
+        device: no wait for the device, two kernels whatever the batch. A row whose kept entries
+        are already in place (a plain step, a chain accepted from its first node) moves nothing."""
+        move_rows: list[int] = []
+        src: list[int] = []
+        dst: list[int] = []
         for row, keep in zip(rows.tolist(), keep_offsets):
             start = int(self.lens[row])
-            n = len(keep)
-            if n == 0:
-                continue
-            contiguous = bool(torch.equal(keep, torch.arange(n)))
-            if not contiguous:
-                src = (keep + start).to(self.device)
-                self.k_all[:, row, :, start : start + n] = self.k_all[:, row, :, src]
-                self.v_all[:, row, :, start : start + n] = self.v_all[:, row, :, src]
-            self.lens[row] = start + n
+            offsets = keep.tolist()
+            for j, offset in enumerate(offsets):
+                if offset != j:
+                    move_rows.append(row)
+                    src.append(start + offset)
+                    dst.append(start + j)
+            self.lens[row] = start + len(offsets)
+        if move_rows:
+            r = torch.tensor(move_rows).to(self.device, non_blocking=True)
+            s = torch.tensor(src).to(self.device, non_blocking=True)
+            d = torch.tensor(dst).to(self.device, non_blocking=True)
+            # the right-hand side is gathered whole before the scatter: overlapping moves are safe
+            self.k_all[:, r, :, d] = self.k_all[:, r, :, s]
+            self.v_all[:, r, :, d] = self.v_all[:, r, :, s]
 
     def set_length(self, row: int, length: int) -> None:
         self.lens[row] = length

@@ -158,10 +158,13 @@ class ContextStats:
 
 @dataclass(frozen=True)
 class LatencyTable:
-    """Forward latency (seconds) by total query tokens in the step, linearly interpolated."""
+    """Forward latency (seconds) by total query tokens in the step, linearly interpolated, measured
+    on one row; ``row_offsets``: (rows, tokens per row, seconds over the table) of steps measured
+    on several rows at start-up (runner/calibration.py), which :class:`StepLatency` starts from."""
 
     tokens: tuple[int, ...]
     seconds: tuple[float, ...]
+    row_offsets: tuple[tuple[int, int, float], ...] = ()
 
     def __call__(self, q: int) -> float:
         i = bisect.bisect_left(self.tokens, q)
@@ -193,13 +196,21 @@ class StepLatency:
     at high row counts as 1.5-2x dearer than they were and verified almost none. An unseen width
     takes the nearest seen one of the same rows, an unseen row count the table alone. A step that
     took over ``spike`` times its prediction (a busy moment of the machine) counts as ``spike``
-    times it, so one outlier cannot price a shape out of the plans for long."""
+    times it, so one outlier cannot price a shape out of the plans for long.
+
+    The offsets start from the table's ``row_offsets`` (row counts measured at start-up, e.g. 8 and
+    32: on a GPU a step of 32 rows costs mostly its rows' attention, which a one-row table cannot
+    show); a row count neither measured nor observed takes the offset interpolated between the
+    measured ones (one row: none), proportional to rows past the last."""
 
     def __init__(self, table: LatencyTable, alpha: float = 0.2, spike: float = 1.5):
         self.table = table
         self.alpha = alpha
         self.spike = spike
         self.offsets: dict[tuple[int, int], float] = {}  # (rows, width bucket) -> seconds over the table
+        for rows, width, offset in table.row_offsets:
+            self.offsets[(rows, self.bucket(width))] = offset
+        self.measured_rows = sorted({rows for rows, _, _ in table.row_offsets})
 
     @staticmethod
     def bucket(tokens: int) -> int:
@@ -218,13 +229,30 @@ class StepLatency:
 
     def __call__(self, rows: int, tokens: int, width: int | None = None) -> float:
         wb = self.bucket(width or 1)
+        offset = self._offset(rows, wb)
+        if offset is None:
+            offset = self._interpolated(rows, wb)
+        return max(self.table(tokens) + offset, 1e-6)
+
+    def _offset(self, rows: int, wb: int) -> float | None:
         offset = self.offsets.get((rows, wb))
         if offset is None:
             widths = [w for r, w in self.offsets if r == rows]
-            if not widths:
-                return self.table(tokens)
-            offset = self.offsets[(rows, _nearest(widths, wb))]
-        return max(self.table(tokens) + offset, 1e-6)
+            if widths:
+                offset = self.offsets[(rows, _nearest(widths, wb))]
+        return offset
+
+    def _interpolated(self, rows: int, wb: int) -> float:
+        """The offset of an unseen row count from the row counts measured at start-up."""
+        if not self.measured_rows or rows <= 1:
+            return 0.0
+        lower = max([1] + [r for r in self.measured_rows if r < rows])
+        higher = [r for r in self.measured_rows if r > rows]
+        low = 0.0 if lower == 1 else self._offset(lower, wb)
+        if not higher:
+            return low * rows / lower
+        high = self._offset(higher[0], wb)
+        return low + (high - low) * (rows - lower) / (higher[0] - lower)
 
 
 def _nearest(keys, k: int) -> int:
