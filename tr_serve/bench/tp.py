@@ -8,7 +8,7 @@ on a local Ray instance, and prints the per-question token agreement (with the t
 the unsharded model at the first difference, if any), the mean wall-clock seconds per engine step
 of each, the phase split of the TP engine's steps (``forward`` = the round trip to the workers), and
 what the TP runner exchanged with its workers per step (Ray messages, pickled call bytes out,
-logits bytes back). Every process uses ``--threads`` torch threads.
+token-id bytes back). Every process uses ``--threads`` torch threads.
 """
 
 from __future__ import annotations
