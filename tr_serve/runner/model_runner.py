@@ -14,6 +14,7 @@ from tr_serve.model_shape import attention_shape
 from tr_serve.runner.attention import runner_attention
 from tr_serve.runner import layer_ops, tree_attention
 from tr_serve.runner.cpu_kernels import KernelPlan
+from tr_serve.runner.hf_compat import cache_kwargs
 from tr_serve.runner.kv_cache import SlotKVCache
 from tr_serve.runner.llama_body import body_for, supports_layer_ops
 
@@ -146,10 +147,9 @@ class ModelRunner:
                 index = real.nonzero().flatten() if real is not None else None
                 return body(tokens.to(self.device), positions, mask, self.cache, index, widths, queries,
                             native=self.layer_ops)
-            out = self.model.model(
-                input_ids=tokens.to(self.device), attention_mask=mask, position_ids=positions,
-                cache=self.cache, use_cache=True,
-            )
+            decoder = self.model.model
+            out = decoder(input_ids=tokens.to(self.device), attention_mask=mask, position_ids=positions,
+                          use_cache=True, **cache_kwargs(decoder, self.cache))
         hidden = out.last_hidden_state.reshape(b * q, -1)
         return hidden if real is None else hidden[real]
 
