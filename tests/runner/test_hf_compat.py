@@ -13,7 +13,7 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from tiny_model import small_llama
-from tr_serve.runner import hf_compat
+from tr_serve.runner import hf_compat, llama_body
 from tr_serve.runner.kv_cache import SlotKVCache, SlotLayer
 from tr_serve.runner.model_runner import ModelRunner
 
@@ -68,11 +68,15 @@ def test_the_installed_llama_takes_the_keyword_its_signature_names():
         assert keyword in hf_compat.CACHE_KEYWORDS
 
 
-def test_the_runner_forward_through_transformers_writes_the_slot_cache(monkeypatch):
+def test_the_runner_forward_through_transformers_writes_the_slot_cache():
     """With transformers' own forward (the path GPUs take), the new keys land in the runner's cache:
     a second verify over the written prefix gives the same logits as one forward over it all."""
-    monkeypatch.setattr("tr_serve.runner.model_runner.body_for", lambda model: None)
     model = small_llama()
+    assert llama_body.body_for(model) is not None
+    llama_body.use_transformers_forward(model)
+    assert llama_body.body_for(model) is None
+    calls = []
+    model.model.register_forward_pre_hook(lambda module, args, kwargs: calls.append(set(kwargs)), with_kwargs=True)
     runner = ModelRunner(model, 2, 64, tree_attention_enabled=False)
     prompt = [5, 9, 11, 200, 7]
     runner.prefill(torch.tensor([1]), [prompt])
@@ -83,6 +87,9 @@ def test_the_runner_forward_through_transformers_writes_the_slot_cache(monkeypat
     with torch.inference_mode():
         expected = model(torch.tensor([prompt + [42]])).logits[0, -1]
     torch.testing.assert_close(logits[0, 0], expected.float(), rtol=1e-4, atol=1e-4)
+    assert len(calls) == 3 and all(hf_compat.cache_keyword(model.model) in kw for kw in calls[:2])
+    llama_body.use_transformers_forward(model, False)
+    assert llama_body.body_for(model) is not None
 
 
 def _placeholder_call(method) -> list[None]:
