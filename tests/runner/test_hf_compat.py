@@ -1,6 +1,6 @@
 """The runner against the installed transformers: the cache keyword read off the forward's
 signature (``cache`` in >= 5.24, ``past_key_values`` before), and the slot cache implementing
-the cache-layer contract as the installed version states it. ``tests/test_gpu_check_versions.py``
+the cache-layer contract as the installed version states it. ``tests/test_gpu_check.py``
 runs the runner under transformers 5.17 as well."""
 
 from __future__ import annotations

@@ -23,9 +23,9 @@ CACHE_KEYWORDS = ("cache", "past_key_values")
 
 
 def cache_keyword(module: Any) -> str:
-    """The keyword under which ``module``'s forward (a transformers model or decoder) takes its
-    KV cache: ``cache`` (transformers >= 5.24) or ``past_key_values`` (earlier)."""
-    return _forward_cache_keyword(type(module))
+    """The keyword under which the forward of ``module`` (a transformers model or decoder, or its
+    class) takes its KV cache: ``cache`` (transformers >= 5.24) or ``past_key_values`` (earlier)."""
+    return _forward_cache_keyword(module if isinstance(module, type) else type(module))
 
 
 @functools.lru_cache(maxsize=None)
