@@ -144,6 +144,14 @@ def test_json_is_written_after_every_section(gpu_check, tmp_path, monkeypatch):
     assert "out of memory" in _sections(after)["losslessness"]["error"] and not after["passed"]
 
 
+def test_a_run_out_of_time_fails(gpu_check, tmp_path):
+    out = tmp_path / "late.json"
+    assert gpu_check.main(["--tiny", "--device", "cpu", "--sections", "latency", "--time-budget-s", "0",
+                           "--json", str(out)]) == 1
+    result = json.loads(out.read_text())
+    assert _sections(result)["latency"]["status"] == "out of time" and "time budget" in result["failures"][0]
+
+
 def test_returned_bytes_sum_the_tensors_of_any_return_type(gpu_check):
     @dataclasses.dataclass
     class Output:  # the shape the runner's return is moving to: id tensors in a small dataclass
