@@ -1,6 +1,7 @@
 """The first-day GPU check: one command, nothing downloaded, random-weight models built in code.
 
     python scripts/gpu_check.py                              # one GPU, <= 8 min (bfloat16)
+    python3 scripts/gpu_check.py --json $OUT/gpu_check.json  # the same on the lent GPU machine
     python scripts/gpu_check.py --bench-json bench_out/bench.json   # MAT from a `tr-serve bench` run
     python scripts/gpu_check.py --tiny --device cpu          # seconds; what the test suite runs
     python scripts/gpu_check.py --tiny --device cpu --tp 2   # adds the tensor-parallel part (needs ray)
@@ -24,7 +25,8 @@ efficient / cuDNN / math backends, or flex attention):
    runner returns per call.
 2. ``engine``: plain decoding (``tree: none``) and each tree (``--trees``, ``budget: fixed``) through
    ``Engine.step`` at 1, 8 and 32 rows on the same model, greedy and sampled (seeded): seconds per
-   decode step, bytes returned by the runner per verification step, peak memory per run. A
+   decode step, bytes returned by the runner per verification step (beside the 2 MB a step should
+   return at 32 rows: reported, not gated, until the runner returns ids), peak memory per run. A
    random-weight model accepts almost no drafts, so the speedup is projected as ``MAT x (plain
    step time / TR step time)`` with the MAT of the dev questions (``--bench-json``, ``--mat``, or
    the README's single-stream figures), and from the latency table at 1 row.
@@ -46,6 +48,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import copy
 import dataclasses
 import gc
 import importlib.util
@@ -150,10 +153,10 @@ class Report:
             self.fail(sec["name"], f"{name}" + (f" ({detail})" if detail is not None else ""))
         return bool(ok)
 
-    @contextlib.contextmanager
-    def section(self, name: str) -> Iterator[dict]:
-        """A section's dict, filled in place by its code; its status, seconds and peak GPU memory
-        are added here, an exception is recorded (the run goes on with the next section)."""
+    def run_section(self, name: str, body: Callable[[dict], None]) -> dict:
+        """Run ``body(sec)``, which fills the section's dict in place; its status, seconds and peak
+        GPU memory are added here. An exception is recorded and the run goes on with the next
+        section; one past the time budget is not started (and fails the run)."""
         sec: dict[str, Any] = {"name": name, "status": "running"}
         self.data["sections"][name] = sec
         self.write()  # a run killed in this section shows it running
@@ -162,7 +165,7 @@ class Report:
         t0 = time.perf_counter()
         try:
             self.check_time(f"section {name}")
-            yield sec
+            body(sec)
             failed = [c["name"] for c in sec.get("checks", []) if c["gating"] and not c["passed"]]
             sec["status"] = "failed" if failed else "passed"
         except BudgetExceeded as e:
@@ -181,6 +184,7 @@ class Report:
             fold_peak(sec, self.device)
             print(f"   {name}: {sec['status']} ({sec['seconds']} s)", flush=True)
             self.write()
+        return sec
 
     def skip(self, name: str, reason: str) -> None:
         """A section that does not apply here (not a failure)."""
@@ -674,7 +678,8 @@ def tp_section(rep: Report, sec: dict, device: torch.device, dtype: torch.dtype,
     if args.vocab:
         shape["vocab_size"] = args.vocab
     name = str(dtype).removeprefix("torch.")
-    loaded = random_llama(shape, dtype, device, seed=2, init_range=0.1)
+    shipped = random_llama(shape, dtype, torch.device("cpu"), seed=2, init_range=0.1)  # each worker moves its slice
+    loaded = dataclasses.replace(shipped, model=copy.deepcopy(shipped.model).to(device))  # the local runner's
     tree = args.trees[-1] if args.trees else "none"
     rows = max(args.concurrency)
     prompts = random_prompts(rows, args.lossless_prompt_tokens, shape["vocab_size"], seed=3)
@@ -689,7 +694,7 @@ def tp_section(rep: Report, sec: dict, device: torch.device, dtype: torch.dtype,
     config = EngineConfig(model=loaded.model_id, tree=tree, k=8, max_num_seqs=rows, max_model_len=max_len,
                           device=str(device), dtype=name, budget="fixed", cpu_kernels="torch", matrix_prior=False)
     with local_ray(args.tp + 1):
-        engine = tp_engine(loaded, config, args.tp, cpu_threads=1, measure_bytes=True)
+        engine = tp_engine(shipped, config, args.tp, cpu_threads=1, measure_bytes=True)
         try:
             got = decode(engine, prompts, n, False, device)
             t = engine.runner.transfer
@@ -804,17 +809,14 @@ def _run(args, device: torch.device) -> dict:
         big = random_llama(TINY if args.tiny else LLAMA3_8B, dtype, device, seed=0)
     table: dict = {}
     if "latency" in args.sections:
-        with rep.section("latency") as sec:
-            latency_section(rep, sec, big, device, args)
-        table = rep.data["sections"]["latency"].get("by_context", {})
+        table = rep.run_section("latency", lambda sec: latency_section(rep, sec, big, device, args)).get(
+            "by_context", {})
     if "engine" in args.sections:
-        with rep.section("engine") as sec:
-            engine_section(rep, sec, big, device, dtype_name, args, table)
+        rep.run_section("engine", lambda sec: engine_section(rep, sec, big, device, dtype_name, args, table))
     del big
     release(device)
     if "losslessness" in args.sections:
-        with rep.section("losslessness") as sec:
-            losslessness_section(rep, sec, device, dtype, args)
+        rep.run_section("losslessness", lambda sec: losslessness_section(rep, sec, device, dtype, args))
     if "tp" in args.sections:
         if args.tp < 2:
             rep.skip("tp", "no --tp N (N >= 2) given")
@@ -823,8 +825,7 @@ def _run(args, device: torch.device) -> dict:
         elif device.type == "cuda" and torch.cuda.device_count() < args.tp:
             rep.skip("tp", f"{torch.cuda.device_count()} GPU(s) visible, --tp {args.tp} needs one per worker")
         else:
-            with rep.section("tp") as sec:
-                tp_section(rep, sec, device, dtype, args)
+            rep.run_section("tp", lambda sec: tp_section(rep, sec, device, dtype, args))
     rep.write()
     verdict = "PASSED" if rep.passed else "FAILED: " + "; ".join(rep.data["failures"])
     print(f"gpu_check {verdict} ({rep.data['seconds']} s)" + (f", wrote {rep.path}" if rep.path else ""), flush=True)

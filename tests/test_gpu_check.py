@@ -212,7 +212,8 @@ def test_the_check_passes_under_both_transformers_versions(which, tmp_path):
                         "run `make setup` (its GPU_IMAGE_TRANSFORMERS install)")
         assert _unsatisfied(GPU_IMAGE_TRANSFORMERS) == []
         paths.insert(0, str(GPU_IMAGE_TRANSFORMERS))
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(paths + [os.environ.get("PYTHONPATH", "")]))
+    inherited = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(paths + inherited))
     out = tmp_path / "gpu_check.json"
     proc = subprocess.run([sys.executable, str(SCRIPTS / "gpu_check.py"), "--tiny", "--device", "cpu",
                            "--trees", "top4,2.2.2", "--json", str(out)], env=env, capture_output=True, text=True,
