@@ -20,9 +20,9 @@ from packaging.requirements import Requirement
 from script_module import SCRIPTS, load_script
 
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
-# `make setup` installs transformers 5.17 there (the Makefile's GPU_IMAGE_TRANSFORMERS_DIR); `make test` says where
-GPU_IMAGE_TRANSFORMERS = Path(os.environ.get("TR_SERVE_GPU_IMAGE_TRANSFORMERS",
-                                             PROJECT_ROOT / ".venv" / "transformers-5.17"))
+# `make setup` installs transformers 5.17 there (the Makefile's GPU_IMAGE_TRANSFORMERS_DIR); `make test` says
+# where (a relative path is the repository's)
+GPU_IMAGE_TRANSFORMERS = PROJECT_ROOT / os.environ.get("TR_SERVE_GPU_IMAGE_TRANSFORMERS", ".venv/transformers-5.17")
 GPU_IMAGE_VERSION = "5.17.0"
 SUBPROCESS_TIMEOUT_S = 120  # the check itself takes seconds; this only stops a hung run
 
