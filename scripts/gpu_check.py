@@ -1,44 +1,68 @@
-"""The first-day GPU check: one command, nothing downloaded, random-weight models built from configs.
+"""The first-day GPU check: one command, nothing downloaded, random-weight models built in code.
 
     python scripts/gpu_check.py                              # one GPU, <= 8 min (bfloat16)
+    python3 scripts/gpu_check.py --json $OUT/gpu_check.json  # the same on the lent GPU machine
     python scripts/gpu_check.py --bench-json bench_out/bench.json   # MAT from a `tr-serve bench` run
     python scripts/gpu_check.py --tiny --device cpu          # seconds; what the test suite runs
+    python scripts/gpu_check.py --tiny --device cpu --tp 2   # adds the tensor-parallel part (needs ray)
 
-It needs only torch and transformers (the GPU machine: torch 2.11, transformers 5.17) plus this
-repository. Three parts, printed as they finish and written as one JSON (``--json``):
+It needs torch and transformers (5.17 as on the GPU image, or the pinned 5.24+) plus this
+repository: no tokenizer, no GGUF, no hub (the engine's tokenizer is :class:`IdTokenizer`). On a
+CPU the runner is made to run transformers' own forward (``llama_body.use_transformers_forward``),
+the path every GPU takes, so ``--tiny --device cpu`` checks that path's code.
 
-1. **Forward latency by query tokens** (1, 2, 4, ..., 128) at contexts 512 and 2048, one row, for a
-   Llama-3-8B-shaped model (32 layers, hidden 4096, 32 heads / 8 KV heads, MLP 14336, vocab
-   128256) in bfloat16 through the runner's verify path (``ModelRunner.verify``: the 4D tree mask,
-   the slot KV cache, the LM head); median of ``--repeats`` timed calls after a warm-up, with
-   ``torch.cuda.synchronize()`` around each.
-2. **TR vs plain decoding at concurrency 1, 8 and 32 through the engine** (``Engine.step``) on the
-   same model: the measured seconds per step of plain decoding (``tree: none``) and of each tree
-   (``--trees``, whole template, ``budget: fixed``). A random-weight model accepts almost no draft
-   tokens, so its own MAT says nothing about real text; the speedup is projected as
-   ``MAT x (plain step time / TR step time)``, with the MAT measured on the Spec-Bench dev questions
-   by ``tr-serve bench`` (``--bench-json``: the ``mat`` of its ``tr:<tree>`` methods), or given with
-   ``--mat TREE=VALUE``, or else the single-stream figures of the README (SmolLM2-135M, 26 dev
-   questions, CPU). The same projection from the latency table alone (concurrency 1: a forward of
-   ``nodes + 1`` tokens vs one of 1 token, context 512) is reported beside it. The JSON records which
-   MAT source was used.
-3. **Losslessness on the device**: a small random Llama in the check's dtype; greedy TR (each tree)
-   and plain decoding through the engine against ``model.generate`` (greedy), on ``--prompts``
-   random prompts. It reports how often TR's tokens differ from plain decoding's (and plain's from
-   ``generate``'s) and at which output position they first differ. In bfloat16, near-ties under
-   different GEMM shapes (a 1-token vs an n-token forward) can flip an argmax: a few differences are
-   expected there and are the point of measuring; in float32 on CPU there should be none.
+Exit status 0 when every gating check passed, 1 when one failed, a section raised, or the time
+budget cut the run short. The JSON (``--json``) is rewritten after every section (and after every
+engine run), so a run killed part-way leaves what it measured; its ``failures`` say what failed.
+Sections (``--sections``), each with its peak GPU memory (``torch.cuda.max_memory_allocated``,
+reset per section) and the attention kernels that ran (torch profiler op names: SDPA's flash /
+efficient / cuDNN / math backends, or flex attention):
+
+1. ``latency``: eager forward latency by query tokens (1 .. 128) at contexts 512 and 2048, one row,
+   for a Llama-3-8B-shaped model (32 layers, hidden 4096, 32 heads / 8 KV heads, MLP 14336, vocab
+   128256) in bfloat16 through the runner's verify path (the tree mask, the slot KV cache, the LM
+   head); median of ``--repeats`` timed calls after a warm-up, synchronised; and the bytes the
+   runner returns per call.
+2. ``engine``: plain decoding (``tree: none``) and each tree (``--trees``, ``budget: fixed``) through
+   ``Engine.step`` at 1, 8 and 32 rows on the same model, greedy and sampled (seeded): seconds per
+   decode step, bytes returned by the runner per verification step (beside the 2 MB a step should
+   return at 32 rows: reported, not gated, until the runner returns ids), peak memory per run. A
+   random-weight model accepts almost no drafts, so the speedup is projected as ``MAT x (plain
+   step time / TR step time)`` with the MAT of the dev questions (``--bench-json``, ``--mat``, or
+   the README's single-stream figures), and from the latency table at 1 row.
+3. ``losslessness``: a small random Llama; TR (each tree) against plain decoding through the same
+   engine, greedy and sampled with the same seeds, and plain against ``model.generate`` (greedy).
+   In float32 every token must match (gating: a difference is reported with the reference's top-2
+   logit gap there). In the check's dtype, when it is not float32 (bfloat16 on CUDA), the same
+   comparisons are reported, not gated: near-ties under different GEMM shapes can flip there.
+4. ``tp`` (only with ``--tp N``): the same greedy requests through a ``TPModelRunner`` of N workers
+   (gloo on a CPU, NCCL on N GPUs) against the local runner, and the bytes each step moves between
+   the replica and the workers. Absent where ray is not installed (the GPU image has none).
+
+The ``latency`` and ``engine`` sections run under ``sdpa_kernel`` with the fused backends only
+(flash, memory-efficient, cuDNN): a silent fallback to the math kernel raises there and is reported
+as such (``--allow-math-attention`` lifts the guard).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import copy
+import dataclasses
+import gc
+import importlib.util
 import json
-import math
+import os
+import platform
 import statistics
 import sys
+import tempfile
 import time
+import traceback
+from collections import Counter
 from pathlib import Path
+from typing import Any, Callable, Iterator
 
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
@@ -59,27 +83,237 @@ README_MAT = {"top2": 1.38, "top4": 1.53, "top8": 1.71, "2.2.2": 2.41}
 QUERY_TOKENS = (1, 2, 4, 8, 16, 32, 64, 128)
 CONTEXTS = (512, 2048)
 CONCURRENCY = (1, 8, 32)
+SECTIONS = ("latency", "engine", "losslessness", "tp")
+SAMPLED = dict(temperature=0.8, top_p=0.95, top_k=50)  # the sampled requests' settings (seeded per request)
+# what the runner should return per step at Llama-3's vocabulary, 32 rows x 81 nodes (issue 49);
+# reported beside the measured bytes, not gated until the runner returns ids instead of logits
+RETURN_BYTES_TARGET = 2_000_000
+TIME_BUDGET_S = 420.0  # the full check on one H200: 8 minutes with start-up; --tiny has none
+FUSED_SDPA = ("FLASH_ATTENTION", "EFFICIENT_ATTENTION", "CUDNN_ATTENTION")
+# profiler op name -> attention kernel (substring match, most specific first)
+ATTENTION_OPS = (("flash_attention_for_cpu", "flash (cpu)"), ("flash_attention", "flash"),
+                 ("efficient_attention", "efficient"), ("cudnn_attention", "cudnn"),
+                 ("attention_math", "math"), ("fused_attention_overrideable", "overrideable"),
+                 ("flex_attention", "flex"))
+GIB = 2**30
 
 
-class StubTokenizer:
-    """The engine detokenizes its outputs; random-weight models have no tokenizer (none is downloaded)."""
+class IdTokenizer:
+    """What the engine uses of a tokenizer, built in code (none is downloaded): ``decode`` for the
+    incremental detokenizer (ids as text), no BOS (so no matrix prior prefix) and no EOS ids, so
+    every request runs its full ``max_tokens``."""
 
     eos_token_id = None
+    bos_token_id = None
 
-    def decode(self, ids, skip_special_tokens=True):
+    def decode(self, ids, skip_special_tokens: bool = True) -> str:
         return " ".join(str(int(i)) for i in ids)
 
 
+class BudgetExceeded(RuntimeError):
+    """The run has used its time budget: the rest is skipped (and the check fails)."""
+
+
+# ---- the report ----------------------------------------------------------------------------------
+class Report:
+    """The check's JSON, rewritten atomically after every section (and whenever a section asks),
+    so a killed run leaves what it measured. ``passed`` turns False at the first failing gating
+    check, a section that raises, or a section skipped for time."""
+
+    def __init__(self, path: str | None, env: dict, device: torch.device, budget_s: float | None):
+        self.path = Path(path) if path else None
+        self.device = device
+        self.t0 = time.perf_counter()
+        self.budget_s = budget_s
+        self.data: dict[str, Any] = {"passed": True, "failures": [], "env": env, "sections": {}}
+        self.write()
+
+    @property
+    def passed(self) -> bool:
+        return self.data["passed"]
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.t0
+
+    def check_time(self, what: str) -> None:
+        if self.budget_s is not None and self.elapsed() > self.budget_s:
+            raise BudgetExceeded(f"time budget of {self.budget_s:.0f} s used up before {what}")
+
+    def fail(self, where: str, message: str) -> None:
+        self.data["failures"].append(f"{where}: {message}")
+        self.data["passed"] = False
+
+    def check(self, sec: dict, name: str, ok: bool, detail: Any = None, gating: bool = True) -> bool:
+        """Record one check in section ``sec``; a failing gating check fails the run."""
+        entry = {"name": name, "passed": bool(ok), "gating": gating}
+        if detail is not None:
+            entry["detail"] = detail
+        sec.setdefault("checks", []).append(entry)
+        if gating and not ok:
+            self.fail(sec["name"], f"{name}" + (f" ({detail})" if detail is not None else ""))
+        return bool(ok)
+
+    def run_section(self, name: str, body: Callable[[dict], None]) -> dict:
+        """Run ``body(sec)``, which fills the section's dict in place; its status, seconds and peak
+        GPU memory are added here. An exception is recorded and the run goes on with the next
+        section; one past the time budget is not started (and fails the run)."""
+        sec: dict[str, Any] = {"name": name, "status": "running"}
+        self.data["sections"][name] = sec
+        self.write()  # a run killed in this section shows it running
+        print(f"== {name}", flush=True)
+        reset_peak_memory(self.device)
+        t0 = time.perf_counter()
+        try:
+            self.check_time(f"section {name}")
+            body(sec)
+            failed = [c["name"] for c in sec.get("checks", []) if c["gating"] and not c["passed"]]
+            sec["status"] = "failed" if failed else "passed"
+        except BudgetExceeded as e:
+            sec["status"] = "out of time"
+            sec["reason"] = str(e)
+            self.fail(name, str(e))
+        except Exception as e:  # reported, and the next section still runs
+            sec["status"] = "error"
+            sec["error"] = f"{type(e).__name__}: {e}"
+            sec["traceback"] = traceback.format_exc(limit=8).splitlines()[-12:]
+            if is_math_fallback(e):
+                sec["math_fallback_refused"] = True
+            self.fail(name, sec["error"])
+        finally:
+            sec["seconds"] = round(time.perf_counter() - t0, 2)
+            fold_peak(sec, self.device)
+            print(f"   {name}: {sec['status']} ({sec['seconds']} s)", flush=True)
+            self.write()
+        return sec
+
+    def skip(self, name: str, reason: str) -> None:
+        """A section that does not apply here (not a failure)."""
+        self.data["sections"][name] = {"name": name, "status": "skipped", "reason": reason}
+        print(f"== {name}: skipped ({reason})", flush=True)
+        self.write()
+
+    def write(self) -> None:
+        self.data["seconds"] = round(self.elapsed(), 2)
+        if self.path is None:
+            return
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.path.with_name(self.path.name + ".tmp")
+        tmp.write_text(json.dumps(self.data, indent=1) + "\n")
+        os.replace(tmp, self.path)
+
+
+# ---- device helpers ------------------------------------------------------------------------------
 def sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
 
+def reset_peak_memory(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def peak_memory_gb(device: torch.device) -> float | None:
+    """Peak GPU memory allocated since the last reset (None off CUDA)."""
+    if device.type != "cuda":
+        return None
+    return round(torch.cuda.max_memory_allocated(device) / GIB, 3)
+
+
+def release(device: torch.device) -> None:
+    """Free what dropped engines held (their KV caches) before the next one is built."""
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def fold_peak(sec: dict, device: torch.device) -> float | None:
+    """Fold the peak since the last reset into ``sec['peak_gpu_memory_gb']`` (the section's max)."""
+    peak = peak_memory_gb(device)
+    if peak is not None:
+        sec["peak_gpu_memory_gb"] = max(peak, sec.get("peak_gpu_memory_gb") or 0.0)
+    return peak
+
+
+@contextlib.contextmanager
+def fused_attention_only(enabled: bool) -> Iterator[None]:
+    """SDPA restricted to its fused backends (flash, memory-efficient, cuDNN): a call that would
+    fall back to the math kernel raises instead of running slowly and silently."""
+    if not enabled:
+        yield
+        return
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    with sdpa_kernel([getattr(SDPBackend, name) for name in FUSED_SDPA if hasattr(SDPBackend, name)]):
+        yield
+
+
+def is_math_fallback(error: BaseException) -> bool:
+    """Whether ``error`` is SDPA refusing to run with every allowed backend (the guard's doing)."""
+    text = str(error)
+    return isinstance(error, RuntimeError) and ("No viable backend" in text or "No available kernel" in text)
+
+
+def attention_kernels(fn: Callable[[], Any]) -> dict[str, int]:
+    """The attention kernels ``fn()`` ran (:data:`ATTENTION_OPS` names) and how often, read off the
+    profiler's op names; the aten dispatch ops are recorded on the host for every device."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with kineto_lines_dropped(), profile(activities=[ProfilerActivity.CPU]) as prof:
+        fn()
+    counts: Counter = Counter()
+    for event in prof.events():
+        for pattern, kernel in ATTENTION_OPS:
+            if pattern in event.name:
+                counts[kernel] += 1
+                break
+    return dict(sorted(counts.items()))
+
+
+@contextlib.contextmanager
+def kineto_lines_dropped(prefixes: tuple[str, ...] = ("USDT:", "STAGE:")) -> Iterator[None]:
+    """The profiler's own C++ log lines (two per profiled call, on stderr) dropped; everything
+    else written to stderr meanwhile is passed on."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as tmp:
+        os.dup2(tmp.fileno(), 2)
+        try:
+            yield
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            tmp.seek(0)
+            for line in tmp.read().decode(errors="replace").splitlines(keepends=True):
+                if not line.startswith(prefixes):
+                    sys.stderr.write(line)
+
+
+def returned_bytes(obj: Any) -> int:
+    """Bytes of the tensors in what a runner returned: a tensor, or tensors inside tuples, lists,
+    dicts or dataclasses (``numel * element_size`` each; numpy arrays by ``nbytes``)."""
+    if isinstance(obj, torch.Tensor):
+        return obj.numel() * obj.element_size()
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return sum(returned_bytes(getattr(obj, f.name)) for f in dataclasses.fields(obj))
+    if isinstance(obj, (tuple, list)):
+        return sum(returned_bytes(o) for o in obj)
+    if isinstance(obj, dict):
+        return sum(returned_bytes(o) for o in obj.values())
+    nbytes = getattr(obj, "nbytes", None)
+    return int(nbytes) if isinstance(nbytes, int) else 0
+
+
+# ---- the model -----------------------------------------------------------------------------------
 def random_llama(shape: dict, dtype: torch.dtype, device: torch.device, seed: int, init_range: float = 0.02):
-    """A random-weight ``LlamaForCausalLM`` built straight on ``device`` (skeleton on meta first)."""
+    """A random-weight ``LlamaForCausalLM`` built straight on ``device`` (skeleton on meta first),
+    as a ``LoadedModel`` with an :class:`IdTokenizer`. On a CPU it runs transformers' forward in
+    the runner, as on GPUs."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from tr_serve.model_loader import LoadedModel
+    from tr_serve.runner.llama_body import use_transformers_forward
 
     config = LlamaConfig(**shape, initializer_range=init_range)
     config._attn_implementation = "sdpa"
@@ -99,80 +333,201 @@ def random_llama(shape: dict, dtype: torch.dtype, device: torch.device, seed: in
     model.generation_config.eos_token_id = None  # like the engine here (no end-of-sequence id): fixed lengths
     model.eval()
     model.requires_grad_(False)
-    return LoadedModel(model, StubTokenizer(), f"random-llama-{shape['hidden_size']}x{shape['num_hidden_layers']}",
-                       ())
+    if device.type == "cpu":
+        use_transformers_forward(model)
+    name = f"random-llama-{shape['hidden_size']}x{shape['num_hidden_layers']}-v{shape['vocab_size']}"
+    return LoadedModel(model, IdTokenizer(), name, ())
+
+
+def random_prompts(count: int, length: int, vocab: int, seed: int) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(10, vocab, (length,), generator=gen).tolist() for _ in range(count)]
+
+
+# ---- thin helpers over the runner and the engine: the one place to adapt to their contracts -------
+def verify_once(runner, rows: torch.Tensor, tokens: torch.Tensor, depths: torch.Tensor, tree_mask: torch.Tensor):
+    """One verification forward (``ModelRunner.verify``): tokens [b, q], depths [q], tree_mask [q, q]."""
+    return runner.verify(rows, tokens, depths, tree_mask)
+
+
+class VerifyMeter:
+    """Counts the runner's verification calls and the bytes of what they return, while attached
+    (it shadows the bound ``verify`` of one runner instance; the local and the tensor-parallel
+    runner alike). ``detach`` breaks the runner -> wrapper -> runner cycle, so a dropped engine's
+    KV cache is freed at once."""
+
+    def __init__(self, runner):
+        self.calls = 0
+        self.bytes = 0
+        self.runner = runner
+        inner = runner.verify
+
+        def verify(*args, **kwargs):
+            out = inner(*args, **kwargs)
+            self.calls += 1
+            self.bytes += returned_bytes(out)
+            return out
+
+        runner.verify = verify
+
+    def detach(self) -> None:
+        self.runner.__dict__.pop("verify", None)
+        self.runner = None
+
+    @property
+    def bytes_per_call(self) -> int | None:
+        return self.bytes // self.calls if self.calls else None
+
+
+def make_engine(loaded, tree: str, rows: int, max_model_len: int, device: torch.device, dtype_name: str):
+    """An ``Engine`` over a local runner: ``budget: fixed`` (the whole template every step), torch's
+    own kernels, no matrix prior (nothing computed or cached beside the check)."""
+    from tr_serve.engine.config import EngineConfig
+    from tr_serve.engine.engine import Engine
+
+    cfg = EngineConfig(model=loaded.model_id, tree=tree, k=8, max_num_seqs=rows, max_model_len=max_model_len,
+                       device=str(device), dtype=dtype_name, budget="fixed", cpu_kernels="torch",
+                       matrix_prior=False)
+    return Engine(loaded, cfg)
+
+
+def submit(engine, prompt: list[int], new_tokens: int, seed: int | None) -> str:
+    """Add one request: greedy when ``seed`` is None, else sampled (:data:`SAMPLED`) with ``seed``."""
+    from tr_serve.sampling_params import SamplingParams
+
+    if seed is None:
+        params = SamplingParams(max_tokens=new_tokens, ignore_eos=True)
+    else:
+        params = SamplingParams(max_tokens=new_tokens, ignore_eos=True, seed=seed, **SAMPLED)
+    return engine.add_request(prompt, params)
+
+
+@dataclasses.dataclass
+class EngineRun:
+    tokens: list[list[int]]  # per prompt, in prompt order
+    decode_step_s: list[float]  # wall seconds of each step that only verified (prefill steps excluded)
+    steps: int  # every engine step, prefill included
+    verify_calls: int
+    verify_bytes_per_call: int | None
+    mat: float | None  # accepted tokens per verification step (random weights: says little)
+    tree_nodes: int  # the widest tree verified
+    kernels: dict[str, int]  # attention kernels of the first decode step
+    peak_gpu_memory_gb: float | None
+
+    @property
+    def step_ms(self) -> float | None:
+        return round(statistics.mean(self.decode_step_s) * 1e3, 3) if self.decode_step_s else None
+
+
+def decode(engine, prompts: list[list[int]], new_tokens: int, sampled: bool, device: torch.device,
+           seed: int = 0) -> EngineRun:
+    """All ``prompts`` submitted at once and stepped to the end; the first decode step runs under
+    the profiler (untimed) to see which attention kernels ran."""
+    meter = VerifyMeter(engine.runner)
+    ids = [submit(engine, p, new_tokens, seed + i if sampled else None) for i, p in enumerate(prompts)]
+    reset_peak_memory(device)
+    outputs, times, steps, kernels = {}, [], 0, None
+    while engine.has_unfinished():
+        decoding = bool(engine.running) and not engine.prefilling
+        sync(device)
+        t0 = time.perf_counter()
+        if decoding and kernels is None:
+            kernels = attention_kernels(lambda: outputs.update({o.request_id: o for o in engine.step()}))
+        else:
+            for out in engine.step():
+                outputs[out.request_id] = out
+            sync(device)
+            if decoding:
+                times.append(time.perf_counter() - t0)
+        steps += 1
+    outs = [outputs[i] for i in ids]
+    verifications = sum(o.stats.verification_steps for o in outs)
+    accepted = sum(sum(o.stats.accepted_per_step) for o in outs)
+    nodes = [n for o in outs for n in o.stats.tree_nodes_per_step]
+    meter.detach()
+    return EngineRun([list(o.token_ids) for o in outs], times, steps, meter.calls, meter.bytes_per_call,
+                     round(accepted / verifications, 4) if verifications else None, max(nodes, default=0),
+                     kernels or {}, peak_memory_gb(device))
+
+
+# ---- comparisons ---------------------------------------------------------------------------------
+def first_difference(a: list[int], b: list[int]) -> int | None:
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+def top2_gap(model, prompt: list[int], prefix: list[int]) -> float:
+    """top-1 minus top-2 logit of ``model`` (a plain transformers forward) after prompt + prefix."""
+    device = next(model.parameters()).device
+    with torch.inference_mode():
+        logits = model(torch.tensor([prompt + prefix], device=device)).logits[0, -1].float()
+    top = torch.topk(logits, 2).values
+    return float(top[0] - top[1])
+
+
+def compare(reference: list[list[int]], other: list[list[int]], model=None, prompts=None) -> dict:
+    """How many outputs differ from the reference and where first; with ``model`` and ``prompts``,
+    the reference's top-2 logit gap at each first difference (a near-tie says rounding)."""
+    positions = [first_difference(a, b) for a, b in zip(reference, other)]
+    differing = [(i, p) for i, p in enumerate(positions) if p is not None]
+    out = {"differing": len(differing), "outputs": len(reference), "first_positions": [p for _, p in differing],
+           "tokens_compared": sum(len(a) for a in reference)}
+    if model is not None and differing:
+        out["top2_gaps"] = [round(top2_gap(model, prompts[i], reference[i][:p]), 6) for i, p in differing]
+    return out
 
 
 # ---- 1. latency table ----------------------------------------------------------------------------
-def latency_table(loaded, device, contexts, query_tokens, repeats: int) -> dict:
+def latency_section(rep: Report, sec: dict, loaded, device: torch.device, args) -> None:
     from tr_serve.runner.model_runner import ModelRunner
 
-    runner = ModelRunner(loaded.model, 1, max(contexts) + max(query_tokens) + 8)
+    sec.update(model=_shape(loaded), repeats=args.repeats,
+               statistic="median of timed verify calls (ms)", by_context={}, bytes_returned={}, kernels={})
+    runner = ModelRunner(loaded.model, 1, max(args.contexts) + max(args.query_tokens) + 8)
     row = torch.tensor([0])
     vocab = loaded.model.config.vocab_size
     gen = torch.Generator().manual_seed(0)
-    table = {}
-    for ctx in contexts:
-        runner.free(0)
-        runner.prefill(row, [torch.randint(10, vocab, (ctx,), generator=gen).tolist()])
-        table[str(ctx)] = {}
-        for q in query_tokens:
+    with fused_attention_only(args.attention_guard):
+        for ctx in args.contexts:
+            rep.check_time(f"context {ctx}")
+            runner.free(0)
+            runner.prefill(row, [torch.randint(10, vocab, (ctx,), generator=gen).tolist()])
+            table = sec["by_context"][str(ctx)] = {}
+            sizes = sec["bytes_returned"][str(ctx)] = {}
+            for q in args.query_tokens:
+                tokens = torch.randint(10, vocab, (1, q), generator=gen)
+                depths, mask = torch.arange(q), torch.ones(q, q, dtype=torch.bool).tril()
+                sizes[str(q)] = returned_bytes(verify_once(runner, row, tokens, depths, mask))  # warm-up
+                times = []
+                for _ in range(args.repeats):
+                    sync(device)
+                    t0 = time.perf_counter()
+                    verify_once(runner, row, tokens, depths, mask)
+                    sync(device)
+                    times.append(time.perf_counter() - t0)
+                table[str(q)] = round(statistics.median(times) * 1e3, 3)
+            q = max(args.query_tokens)
             tokens = torch.randint(10, vocab, (1, q), generator=gen)
-            depths, mask = torch.arange(q), torch.ones(q, q, dtype=torch.bool).tril()
-            runner.verify(row, tokens, depths, mask)  # warm-up for the shape
-            times = []
-            for _ in range(repeats):
-                sync(device)
-                t0 = time.perf_counter()
-                runner.verify(row, tokens, depths, mask)
-                sync(device)
-                times.append(time.perf_counter() - t0)
-            table[str(ctx)][str(q)] = round(statistics.median(times) * 1e3, 3)
-        print(f"  context {ctx}: " + ", ".join(f"q={q} {ms:.2f} ms" for q, ms in table[str(ctx)].items()), flush=True)
-    del runner
-    return table
+            sec["kernels"][str(ctx)] = attention_kernels(lambda: verify_once(
+                runner, row, tokens, torch.arange(q), torch.ones(q, q, dtype=torch.bool).tril()))
+            print(f"   context {ctx}: " + ", ".join(f"q={q} {ms:.2f} ms" for q, ms in table.items())
+                  + f"; kernels {sec['kernels'][str(ctx)]}", flush=True)
+            rep.write()
+    rep.check(sec, "an attention kernel ran", all(sec["kernels"].values()), sec["kernels"])
+    rep.check(sec, "no math attention", not any("math" in k for k in sec["kernels"].values()), sec["kernels"],
+              gating=args.attention_guard)
+
+
+def _shape(loaded) -> dict:
+    config = loaded.model.config
+    keys = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+            "num_key_value_heads")
+    return {k: getattr(config, k) for k in keys} | {"dtype": str(next(loaded.model.parameters()).dtype)}
 
 
 # ---- 2. TR vs plain through the engine -----------------------------------------------------------
-def run_engine(loaded, tree: str, concurrency: int, prompt_len: int, new_tokens: int, device: str, dtype: str,
-               seed: int = 0, prompts: list[list[int]] | None = None) -> dict:
-    from tr_serve.engine.config import EngineConfig
-    from tr_serve.engine.engine import Engine
-    from tr_serve.sampling_params import SamplingParams
-
-    cfg = EngineConfig(model=loaded.model_id, tree=tree, k=8, max_num_seqs=concurrency,
-                       max_model_len=prompt_len + new_tokens + 1, device=device, dtype=dtype, budget="fixed",
-                       cpu_kernels="torch")
-    engine = Engine(loaded, cfg)
-    vocab = loaded.model.config.vocab_size
-    if prompts is None:
-        gen = torch.Generator().manual_seed(seed)
-        prompts = [torch.randint(10, vocab, (prompt_len,), generator=gen).tolist() for _ in range(concurrency)]
-    ids = [engine.add_request(p, SamplingParams(max_tokens=new_tokens, temperature=0.0)) for p in prompts]
-    outputs, decode_s, decode_steps, nodes = {}, 0.0, 0, 0
-    dev = torch.device(device)
-    t_all = time.perf_counter()
-    while engine.has_unfinished():
-        decoding = bool(engine.running) and not engine.prefilling
-        sync(dev)
-        t0 = time.perf_counter()
-        for out in engine.step():
-            outputs[out.request_id] = out
-        sync(dev)
-        if decoding:  # steps that only verify (prefill steps excluded)
-            decode_s += time.perf_counter() - t0
-            decode_steps += 1
-    wall = time.perf_counter() - t_all
-    outs = [outputs[i] for i in ids]
-    steps = sum(o.stats.verification_steps for o in outs)
-    accepted = sum(sum(o.stats.accepted_per_step) for o in outs)
-    nodes = [n for o in outs for n in o.stats.tree_nodes_per_step]
-    return {"tokens": [o.token_ids for o in outs], "decode_steps": decode_steps,
-            "step_ms": round(decode_s / decode_steps * 1e3, 3) if decode_steps else None,
-            "mat": round(accepted / steps, 4) if steps else None, "tree_nodes": max(nodes) if nodes else 0,
-            "wall_s": round(wall, 3), "new_tokens": sum(len(o.token_ids) for o in outs)}
-
-
 def read_mat(args) -> tuple[dict[str, float], str]:
     mats = dict(README_MAT)
     source = "README single-stream table (tr-serve bench, SmolLM2-135M-Instruct, 26 Spec-Bench dev questions, CPU)"
@@ -191,90 +546,178 @@ def read_mat(args) -> tuple[dict[str, float], str]:
     return mats, source
 
 
-def tr_vs_plain(loaded, args, device, dtype_name, table, mats, mat_source) -> dict:
-    result = {"mat_source": mat_source, "projection": "speedup = MAT x plain step time / TR step time (measured "
-              "here); table_speedup (concurrency 1) = MAT x latency(q=1) / latency(q=nodes+1) at context 512",
-              "prompt_tokens": args.prompt_tokens, "new_tokens": args.new_tokens, "levels": {}}
-    ctx_table = table.get(str(args.contexts[0]), {})
-    for c in args.concurrency:
-        level = {}
-        plain = run_engine(loaded, "none", c, args.prompt_tokens, args.new_tokens, str(device), dtype_name)
-        level["plain"] = {k: plain[k] for k in ("step_ms", "decode_steps", "wall_s", "new_tokens")}
-        for tree in args.trees:
-            tr = run_engine(loaded, tree, c, args.prompt_tokens, args.new_tokens, str(device), dtype_name)
-            mat = mats.get(tree)
-            entry = {k: tr[k] for k in ("step_ms", "decode_steps", "wall_s", "tree_nodes")}
-            entry["mat_random_model"] = tr["mat"]
-            entry["mat_dev"] = mat
-            if mat and tr["step_ms"] and plain["step_ms"]:
-                entry["speedup_projected"] = round(mat * plain["step_ms"] / tr["step_ms"], 3)
-            q = tr["tree_nodes"] + 1
-            lat = {int(k): v for k, v in ctx_table.items()}
-            if c == 1 and mat and lat:
-                big = min((k for k in lat if k >= q), default=max(lat))
-                entry["table_speedup"] = round(mat * lat[min(lat)] / lat[big], 3)
-                entry["table_query_tokens"] = big
-            level[f"tr:{tree}"] = entry
-        result["levels"][str(c)] = level
-        print(f"  concurrency {c}: plain {plain['step_ms']} ms/step; " + "; ".join(
-            f"{k} {v['step_ms']} ms/step ({v['tree_nodes']} nodes), projected {v.get('speedup_projected')}x"
-            for k, v in level.items() if k != "plain"), flush=True)
-    return result
+def _run_entry(run: EngineRun) -> dict:
+    return {"step_ms": run.step_ms, "decode_steps": len(run.decode_step_s), "steps": run.steps,
+            "tree_nodes": run.tree_nodes, "mat_random_model": run.mat, "verify_calls": run.verify_calls,
+            "bytes_per_verify": run.verify_bytes_per_call, "kernels": run.kernels,
+            "peak_gpu_memory_gb": run.peak_gpu_memory_gb}
+
+
+def engine_section(rep: Report, sec: dict, loaded, device: torch.device, dtype_name: str, args,
+                   table: dict) -> None:
+    mats, mat_source = read_mat(args)
+    sec.update(model=_shape(loaded), mat_source=mat_source, sampled=SAMPLED, prompt_tokens=args.prompt_tokens,
+               new_tokens=args.new_tokens, return_bytes_target=RETURN_BYTES_TARGET,
+               projection="speedup = MAT x plain step time / TR step time (measured here); table_speedup (1 row) "
+                          "= MAT x latency(q=1) / latency(q=nodes+1) at the first context", levels={})
+    vocab = loaded.model.config.vocab_size
+    lat = {int(k): v for k, v in table.get(str(args.contexts[0]), {}).items()}
+    kernels: Counter = Counter()
+    with fused_attention_only(args.attention_guard):
+        for c in args.concurrency:
+            level = sec["levels"][str(c)] = {}
+            prompts = random_prompts(c, args.prompt_tokens, vocab, seed=c)
+            for mode in ("greedy", "sampled"):
+                plain = None
+                for tree in ["none"] + args.trees:
+                    rep.check_time(f"{tree} {mode} at {c} rows")
+                    engine = make_engine(loaded, tree, c, args.prompt_tokens + args.new_tokens + 1, device,
+                                         dtype_name)
+                    run = decode(engine, prompts, args.new_tokens, mode == "sampled", device)
+                    del engine
+                    release(device)
+                    fold_peak(sec, device)
+                    kernels.update(run.kernels)
+                    entry = _run_entry(run)
+                    if tree == "none":
+                        plain = run
+                        level[f"plain {mode}"] = entry
+                    else:
+                        entry["vs_plain"] = compare(plain.tokens, run.tokens)  # bf16 near-ties: reported
+                        mat = mats.get(tree)
+                        entry["mat_dev"] = mat
+                        if mat and run.step_ms and plain.step_ms:
+                            entry["speedup_projected"] = round(mat * plain.step_ms / run.step_ms, 3)
+                        if c == 1 and mat and lat and mode == "greedy":
+                            big = min((k for k in lat if k >= run.tree_nodes + 1), default=max(lat))
+                            entry["table_speedup"] = round(mat * lat[min(lat)] / lat[big], 3)
+                            entry["table_query_tokens"] = big
+                        level[f"tr:{tree} {mode}"] = entry
+                    rep.write()
+                print(f"   {c} rows, {mode}: " + "; ".join(
+                    f"{name.split()[0]} {e['step_ms']} ms/step, {_mb(e['bytes_per_verify'])} back/step"
+                    for name, e in level.items() if name.endswith(mode)), flush=True)
+    sec["kernels"] = dict(sorted(kernels.items()))
+    widest = [e for name, e in sec["levels"].get(str(max(args.concurrency)), {}).items() if name.startswith("tr:")]
+    if widest:
+        most = max(widest, key=lambda e: e["bytes_per_verify"] or 0)
+        rep.check(sec, f"runner returns <= {RETURN_BYTES_TARGET} bytes per step at {max(args.concurrency)} rows",
+                  (most["bytes_per_verify"] or 0) <= RETURN_BYTES_TARGET,
+                  f"{most['bytes_per_verify']} bytes at {most['tree_nodes']} nodes, vocab {vocab}", gating=False)
+    rep.check(sec, "an attention kernel ran", bool(kernels), sec["kernels"])
+    rep.check(sec, "no math attention", "math" not in kernels, sec["kernels"], gating=args.attention_guard)
+
+
+def _mb(n: int | None) -> str:
+    return "?" if n is None else f"{n / 1e6:.3f} MB"
 
 
 # ---- 3. losslessness -----------------------------------------------------------------------------
-def first_difference(a, b) -> int | None:
-    for i, (x, y) in enumerate(zip(a, b)):
-        if x != y:
-            return i
-    return None if len(a) == len(b) else min(len(a), len(b))
-
-
-def losslessness(loaded, args, device, dtype_name) -> dict:
-    vocab = loaded.model.config.vocab_size
-    gen = torch.Generator().manual_seed(1)
-    prompts = [torch.randint(10, vocab, (args.lossless_prompt_tokens,), generator=gen).tolist()
-               for _ in range(args.prompts)]
+def losslessness_section(rep: Report, sec: dict, device: torch.device, dtype: torch.dtype, args) -> None:
+    """TR against plain decoding through the engine (greedy and seeded sampling) and plain against
+    ``model.generate``; gated in float32, reported in another check dtype."""
+    shape = dict(TINY if args.tiny else SMALL)
+    if args.vocab:
+        shape["vocab_size"] = args.vocab
+    dtypes = [torch.float32] + ([dtype] if dtype != torch.float32 else [])
+    sec.update(model=shape, prompts=args.prompts, new_tokens=args.lossless_new_tokens, sampled=SAMPLED, by_dtype={})
+    prompts = random_prompts(args.prompts, args.lossless_prompt_tokens, shape["vocab_size"], seed=1)
     n = args.lossless_new_tokens
-    reference = []
-    model = loaded.model
-    for p in prompts:
-        ids = torch.tensor([p], device=device)
-        with torch.inference_mode():
-            out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False,
-                                 pad_token_id=0)
-        reference.append(out[0, len(p):].tolist())
-    plain = run_engine(loaded, "none", len(prompts), args.lossless_prompt_tokens, n, str(device), dtype_name,
-                       prompts=prompts)
-    report = {"prompts": len(prompts), "new_tokens": n, "model": dict(SMALL if not args.tiny else TINY),
-              "plain_vs_generate": _compare(reference, plain["tokens"]), "trees": {}}
-    for tree in args.trees:
-        tr = run_engine(loaded, tree, len(prompts), args.lossless_prompt_tokens, n, str(device), dtype_name,
-                        prompts=prompts)
-        report["trees"][tree] = {"mat_random_model": tr["mat"], "tr_vs_plain": _compare(plain["tokens"], tr["tokens"]),
-                                 "tr_vs_generate": _compare(reference, tr["tokens"])}
-    print(f"  plain vs generate: {report['plain_vs_generate']['differing']}/{len(prompts)} differ; " + "; ".join(
-        f"tr:{t} vs plain: {r['tr_vs_plain']['differing']}/{len(prompts)} differ "
-        f"(first at {r['tr_vs_plain']['first_positions']}), MAT {r['mat_random_model']}"
-        for t, r in report["trees"].items()), flush=True)
-    return report
+    for dt in dtypes:
+        name = str(dt).removeprefix("torch.")
+        gating = dt == torch.float32
+        rep.check_time(f"losslessness in {name}")
+        loaded = random_llama(shape, dt, device, seed=1, init_range=0.1)
+        model = loaded.model
+        report = sec["by_dtype"][name] = {"gating": gating, "trees": {}}
+        reference = []
+        for p in prompts:
+            ids = torch.tensor([p], device=device)
+            with torch.inference_mode():
+                out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False,
+                                     pad_token_id=0)
+            reference.append(out[0, len(p):].tolist())
+        max_len = args.lossless_prompt_tokens + n + 1
+
+        def through_engine(tree: str, sampled: bool) -> EngineRun:
+            return decode(make_engine(loaded, tree, len(prompts), max_len, device, name), prompts, n, sampled, device)
+
+        plain, plain_sampled = through_engine("none", False), through_engine("none", True)
+        report["plain_vs_generate"] = compare(reference, plain.tokens, model, prompts)
+        rep.check(sec, f"{name}: plain decoding == generate (greedy)", report["plain_vs_generate"]["differing"] == 0,
+                  report["plain_vs_generate"], gating=gating)
+        for tree in args.trees:
+            greedy, sampled = through_engine(tree, False), through_engine(tree, True)
+            entry = report["trees"][tree] = {
+                "mat_random_model": greedy.mat, "mat_random_model_sampled": sampled.mat,
+                "greedy_vs_plain": compare(plain.tokens, greedy.tokens, model, prompts),
+                "sampled_vs_plain": compare(plain_sampled.tokens, sampled.tokens)}
+            rep.check(sec, f"{name}: tr:{tree} == plain (greedy)", entry["greedy_vs_plain"]["differing"] == 0,
+                      entry["greedy_vs_plain"], gating=gating)
+            rep.check(sec, f"{name}: tr:{tree} == plain (sampled, same seeds)",
+                      entry["sampled_vs_plain"]["differing"] == 0, entry["sampled_vs_plain"], gating=gating)
+            rep.write()
+        print(f"   {name}: plain vs generate {report['plain_vs_generate']['differing']}/{len(prompts)} differ; "
+              + "; ".join(f"tr:{t} {e['greedy_vs_plain']['differing']} greedy / {e['sampled_vs_plain']['differing']} "
+                          f"sampled differ (MAT {e['mat_random_model']})" for t, e in report["trees"].items()),
+              flush=True)
+        del loaded, model
+        release(device)
 
 
-def _compare(reference, other) -> dict:
-    positions = [first_difference(a, b) for a, b in zip(reference, other)]
-    differing = [p for p in positions if p is not None]
-    total = sum(len(a) for a in reference)
-    return {"differing": len(differing), "rate": round(len(differing) / len(reference), 4) if reference else None,
-            "first_positions": differing, "tokens_compared": total,
-            "mean_first_position": round(statistics.mean(differing), 2) if differing else None}
+# ---- 4. tensor parallelism -----------------------------------------------------------------------
+def tp_section(rep: Report, sec: dict, device: torch.device, dtype: torch.dtype, args) -> None:
+    """The same greedy requests through the local runner and a ``TPModelRunner``: tokens (a
+    difference only at a near-tie of the unsharded model: the shards sum in another order) and the
+    bytes each verification step brings back to the replica."""
+    from tr_serve.bench.local_ray import local_ray
+    from tr_serve.engine.config import EngineConfig
+    from tr_serve.tp.runner import tp_engine
+
+    shape = dict(TINY if args.tiny else SMALL)
+    if args.vocab:
+        shape["vocab_size"] = args.vocab
+    name = str(dtype).removeprefix("torch.")
+    shipped = random_llama(shape, dtype, torch.device("cpu"), seed=2, init_range=0.1)  # each worker moves its slice
+    loaded = dataclasses.replace(shipped, model=copy.deepcopy(shipped.model).to(device))  # the local runner's
+    tree = args.trees[-1] if args.trees else "none"
+    rows = max(args.concurrency)
+    prompts = random_prompts(rows, args.lossless_prompt_tokens, shape["vocab_size"], seed=3)
+    n = args.lossless_new_tokens
+    max_len = args.lossless_prompt_tokens + n + 1
+    sec.update(model=shape, world_size=args.tp, tree=tree, rows=rows, new_tokens=n)
+    local = decode(make_engine(loaded, tree, rows, max_len, device, name), prompts, n, False, device)
+    if IdTokenizer.__module__ != "__main__":  # loaded by path (the tests): the workers cannot import
+        import ray.cloudpickle  # this script, so its tokenizer travels by value, as from __main__
+
+        ray.cloudpickle.register_pickle_by_value(sys.modules[IdTokenizer.__module__])
+    config = EngineConfig(model=loaded.model_id, tree=tree, k=8, max_num_seqs=rows, max_model_len=max_len,
+                          device=str(device), dtype=name, budget="fixed", cpu_kernels="torch", matrix_prior=False)
+    with local_ray(args.tp + 1):
+        engine = tp_engine(shipped, config, args.tp, cpu_threads=1, measure_bytes=True)
+        try:
+            got = decode(engine, prompts, n, False, device)
+            t = engine.runner.transfer
+            sec["transfer"] = {"forwards": t.forwards, "messages_per_forward": t.messages / max(t.forwards, 1),
+                               "bytes_out_per_forward": t.bytes_out // max(t.forwards, 1),
+                               "bytes_back_per_forward": t.bytes_back // max(t.forwards, 1)}
+        finally:
+            engine.shutdown()
+    sec["local"], sec["tp"] = _run_entry(local), _run_entry(got)
+    sec["tp_vs_local"] = diff = compare(local.tokens, got.tokens, loaded.model, prompts)
+    near_tie = all(g < 1e-3 for g in diff.get("top2_gaps", []))
+    rep.check(sec, "tp == local (greedy), or parts at a near-tie (top-2 gap < 1e-3)", near_tie, diff)
+    print(f"   tp={args.tp}: {diff['differing']}/{rows} differ; {_mb(got.verify_bytes_per_call)} back per "
+          f"verification step ({_mb(local.verify_bytes_per_call)} local)", flush=True)
 
 
 # ---- main ----------------------------------------------------------------------------------------
-def parse_args(argv=None):
+def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--dtype", default=None, help="default: bfloat16 on CUDA, float32 on CPU")
     ap.add_argument("--tiny", action="store_true", help="tiny models and shapes: seconds on a CPU (the test suite)")
+    ap.add_argument("--sections", default=",".join(SECTIONS), help=f"comma-separated, of {','.join(SECTIONS)}")
     ap.add_argument("--trees", default="top4,top8,2.2.2", help="comma-separated tree templates")
     ap.add_argument("--mat", action="append", metavar="TREE=VALUE", help="MAT of a tree on the dev questions")
     ap.add_argument("--bench-json", help="a `tr-serve bench` JSON: the MAT of its tr:<tree> methods")
@@ -284,19 +727,62 @@ def parse_args(argv=None):
     ap.add_argument("--prompts", type=int, default=16, help="losslessness: prompts")
     ap.add_argument("--lossless-new-tokens", type=int, default=64)
     ap.add_argument("--lossless-prompt-tokens", type=int, default=32)
+    ap.add_argument("--vocab", type=int, default=None,
+                    help="vocabulary of the small models (losslessness, tp), e.g. 128256 for Llama-3's")
+    ap.add_argument("--tp", type=int, default=0, help="tensor-parallel workers for the tp section (0: none)")
+    ap.add_argument("--allow-math-attention", dest="attention_guard", action="store_false",
+                    help="do not refuse SDPA's math fallback in the latency and engine sections")
+    ap.add_argument("--time-budget-s", type=float, default=None,
+                    help=f"skip what is left after this many seconds (default {TIME_BUDGET_S:.0f}; none with --tiny)")
     ap.add_argument("--json", default="bench_out/gpu_check.json")
     args = ap.parse_args(argv)
     args.trees = [t for t in args.trees.split(",") if t]
+    args.sections = [s for s in args.sections.split(",") if s]
+    unknown = set(args.sections) - set(SECTIONS)
+    if unknown:
+        ap.error(f"unknown sections {sorted(unknown)}: choose from {','.join(SECTIONS)}")
     args.contexts, args.query_tokens, args.concurrency = CONTEXTS, QUERY_TOKENS, CONCURRENCY
+    if args.time_budget_s is None and not args.tiny:
+        args.time_budget_s = TIME_BUDGET_S
     if args.tiny:  # the same parts and report, smaller: contexts 64 and 256, one timed call per point
         args.contexts, args.repeats = (64, 256), 1
-        args.prompt_tokens, args.new_tokens = min(args.prompt_tokens, 16), min(args.new_tokens, 8)
+        args.prompt_tokens, args.new_tokens = min(args.prompt_tokens, 16), min(args.new_tokens, 16)
         args.prompts, args.lossless_new_tokens = min(args.prompts, 4), min(args.lossless_new_tokens, 16)
         args.lossless_prompt_tokens = min(args.lossless_prompt_tokens, 16)
     return args
 
 
-def main(argv=None) -> dict:
+def environment(device: torch.device, dtype: torch.dtype, args) -> dict:
+    import transformers
+    from transformers import LlamaModel
+
+    from tr_serve.runner.hf_compat import cache_keyword
+
+    env = {"python": platform.python_version(), "torch": torch.__version__,
+           "transformers": transformers.__version__, "transformers_path": str(Path(transformers.__file__).parent),
+           "cache_keyword": cache_keyword(LlamaModel), "device": str(device),
+           "dtype": str(dtype).removeprefix("torch."), "tiny": args.tiny, "sections": args.sections,
+           "attention_guard": list(FUSED_SDPA) if args.attention_guard else None,
+           "ray": importlib.util.find_spec("ray") is not None,
+           "flex_attention": importlib.util.find_spec("torch.nn.attention.flex_attention") is not None,
+           "runner_forward": "transformers (forced on CPU, as on GPUs)" if device.type == "cpu" else "runner's choice",
+           "time_budget_s": args.time_budget_s}
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        env.update(device_name=props.name, capability=f"{props.major}.{props.minor}",
+                   memory_gb=round(props.total_memory / GIB, 1), cuda=torch.version.cuda,
+                   matmul_tf32=torch.backends.cuda.matmul.allow_tf32,
+                   sdpa_enabled={"flash": torch.backends.cuda.flash_sdp_enabled(),
+                                 "efficient": torch.backends.cuda.mem_efficient_sdp_enabled(),
+                                 "cudnn": torch.backends.cuda.cudnn_sdp_enabled(),
+                                 "math": torch.backends.cuda.math_sdp_enabled()})
+    else:
+        env["device_name"] = platform.processor() or platform.machine()
+    return env
+
+
+def run(argv=None) -> dict:
+    """Run the check; returns the report (also written to ``--json``)."""
     args = parse_args(argv)
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
@@ -315,41 +801,41 @@ def _run(args, device: torch.device) -> dict:
 
     dtype = parse_dtype(args.dtype, device.type)
     dtype_name = str(dtype).removeprefix("torch.")
-    mats, mat_source = read_mat(args)
-    t_start = time.perf_counter()
-    env = {"torch": torch.__version__, "device": str(device), "dtype": dtype_name, "tiny": args.tiny,
-           "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"}
-    import transformers
-
-    env["transformers"] = transformers.__version__
-    print(f"gpu_check: {env}", flush=True)
-    result = {"env": env}
-
-    shape = TINY if args.tiny else LLAMA3_8B
-    print(f"1. forward latency by query tokens ({'tiny' if args.tiny else 'Llama-3-8B-shaped'}, {dtype_name})",
-          flush=True)
-    t0 = time.perf_counter()
-    big = random_llama(shape, dtype, device, seed=0)
-    result["latency_ms"] = {"model": shape, "repeats": args.repeats, "statistic": "median of timed verify calls",
-                            "by_context": latency_table(big, device, args.contexts, args.query_tokens, args.repeats)}
-    print(f"2. TR vs plain decoding through the engine, concurrency {list(args.concurrency)}", flush=True)
-    result["tr_vs_plain"] = tr_vs_plain(big, args, device, dtype_name, result["latency_ms"]["by_context"], mats,
-                                        mat_source)
-    result["tr_vs_plain"]["seconds"] = round(time.perf_counter() - t0, 1)
+    read_mat(args)  # a bad --bench-json stops here, before anything is built
+    rep = Report(args.json, environment(device, dtype, args), device, args.time_budget_s)
+    print(f"gpu_check: {rep.data['env']}", flush=True)
+    big = None
+    if "latency" in args.sections or "engine" in args.sections:
+        big = random_llama(TINY if args.tiny else LLAMA3_8B, dtype, device, seed=0)
+    table: dict = {}
+    if "latency" in args.sections:
+        table = rep.run_section("latency", lambda sec: latency_section(rep, sec, big, device, args)).get(
+            "by_context", {})
+    if "engine" in args.sections:
+        rep.run_section("engine", lambda sec: engine_section(rep, sec, big, device, dtype_name, args, table))
     del big
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-    print(f"3. losslessness of a small random model on {device} in {dtype_name} against generate", flush=True)
-    small = random_llama(TINY if args.tiny else SMALL, dtype, device, seed=1, init_range=0.1)
-    result["losslessness"] = losslessness(small, args, device, dtype_name)
-    result["seconds"] = round(time.perf_counter() - t_start, 1)
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
-        print(f"wrote {args.json} ({result['seconds']} s)", flush=True)
-    return result
+    release(device)
+    if "losslessness" in args.sections:
+        rep.run_section("losslessness", lambda sec: losslessness_section(rep, sec, device, dtype, args))
+    if "tp" in args.sections:
+        if args.tp < 2:
+            rep.skip("tp", "no --tp N (N >= 2) given")
+        elif importlib.util.find_spec("ray") is None:
+            rep.skip("tp", "ray is not installed here")
+        elif device.type == "cuda" and torch.cuda.device_count() < args.tp:
+            rep.skip("tp", f"{torch.cuda.device_count()} GPU(s) visible, --tp {args.tp} needs one per worker")
+        else:
+            rep.run_section("tp", lambda sec: tp_section(rep, sec, device, dtype, args))
+    rep.write()
+    verdict = "PASSED" if rep.passed else "FAILED: " + "; ".join(rep.data["failures"])
+    print(f"gpu_check {verdict} ({rep.data['seconds']} s)" + (f", wrote {rep.path}" if rep.path else ""), flush=True)
+    return rep.data
+
+
+def main(argv=None) -> int:
+    """The command: exit status 0 when every gating check passed, else 1."""
+    return 0 if run(argv)["passed"] else 1
 
 
 if __name__ == "__main__":
-    main()
-    sys.exit(0)
+    sys.exit(main())

@@ -28,6 +28,7 @@ from tr_serve.model_shape import attention_shape
 from tr_serve.runner import cpu_kernels, layer_driver, layer_ops, tree_attention
 
 _ATTENTION = ("sdpa", "tr_serve_sdpa")  # the implementations whose arithmetic the body reproduces
+_TRANSFORMERS_FORWARD = "_tr_transformers_forward"  # set on a model by use_transformers_forward
 
 
 def body_for(model: torch.nn.Module) -> Callable | None:
@@ -41,14 +42,23 @@ def body_for(model: torch.nn.Module) -> Callable | None:
     return body
 
 
+def use_transformers_forward(model: torch.nn.Module, on: bool = True) -> None:
+    """Make the runner call transformers' own forward for ``model`` on any device, as it does on
+    GPUs: ``scripts/gpu_check.py --device cpu`` checks the GPU path (its cache keyword, mask and
+    attention) on a CPU this way."""
+    model.__dict__[_TRANSFORMERS_FORWARD] = on
+
+
 def _signature(model) -> tuple:
     weight = next(model.parameters(), None)
     device = weight.device.type if weight is not None else None
-    return (model.training, device, getattr(getattr(model, "config", None), "_attn_implementation", None))
+    return (model.training, device, getattr(getattr(model, "config", None), "_attn_implementation", None),
+            bool(model.__dict__.get(_TRANSFORMERS_FORWARD)))
 
 
 def _build(model) -> Callable | None:
-    if type(model).__name__ != "LlamaForCausalLM" or model.training or _signature(model)[1] != "cpu":
+    if (type(model).__name__ != "LlamaForCausalLM" or model.training or _signature(model)[1] != "cpu"
+            or _signature(model)[3]):
         return None  # on GPUs transformers picks sdpa backends by mask and head layout: left to it
     inner = getattr(model, "model", None)
     config = model.config

@@ -31,6 +31,7 @@ import torch
 from tr_serve.data import EMBEDDED_MATRIX_PRIOR
 from tr_serve.disk_cache import save_atomically
 from tr_serve.model_loader import cache_root
+from tr_serve.runner.hf_compat import cache_kwargs
 
 logger = logging.getLogger(__name__)
 
@@ -66,7 +67,7 @@ def first_token_top_k(model, vocab: int, k: int, bos: int | None, batch: int = 5
     prefix = None
     if bos is not None and 0 <= bos < vocab:
         prefix = DynamicCache(config=model.config)
-        model(input_ids=torch.tensor([[bos]], device=device), cache=prefix)
+        model(input_ids=torch.tensor([[bos]], device=device), **cache_kwargs(model, prefix))
     rows = []
     for start in range(0, vocab, batch):
         ids = torch.arange(start, min(start + batch, vocab), device=device)
@@ -76,7 +77,7 @@ def first_token_top_k(model, vocab: int, k: int, bos: int | None, batch: int = 5
             cache = copy.deepcopy(prefix)
             cache.batch_repeat_interleave(len(ids))
             positions = torch.ones(len(ids), 1, dtype=torch.long, device=device)
-            logits = model(input_ids=ids[:, None], cache=cache, position_ids=positions).logits[:, -1]
+            logits = model(input_ids=ids[:, None], position_ids=positions, **cache_kwargs(model, cache)).logits[:, -1]
         rows.append(torch.topk(logits[:, :vocab].float(), k, dim=-1).indices.to("cpu", torch.int32))
     return torch.cat(rows)
 

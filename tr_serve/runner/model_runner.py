@@ -15,6 +15,7 @@ from tr_serve.model_shape import attention_shape
 from tr_serve.runner.attention import runner_attention
 from tr_serve.runner import layer_ops, tree_attention
 from tr_serve.runner.cpu_kernels import KernelPlan
+from tr_serve.runner.hf_compat import cache_kwargs
 from tr_serve.runner.kv_cache import SlotKVCache
 from tr_serve.runner.llama_body import body_for, supports_layer_ops
 from tr_serve.runner.next_tokens import next_token_ids, on_host, top_ids, unpack
@@ -159,10 +160,9 @@ class ModelRunner:
             if body is not None:
                 return body(tokens.to(self.device), positions, mask, self.cache, real, widths, queries,
                             native=self.layer_ops)
-            out = self.model.model(
-                input_ids=tokens.to(self.device), attention_mask=mask, position_ids=positions,
-                cache=self.cache, use_cache=True,
-            )
+            decoder = self.model.model
+            out = decoder(input_ids=tokens.to(self.device), attention_mask=mask, position_ids=positions,
+                          use_cache=True, **cache_kwargs(decoder, self.cache))
         hidden = out.last_hidden_state.reshape(b * q, -1)
         return hidden if real is None else hidden.index_select(0, real)
 
