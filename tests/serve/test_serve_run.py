@@ -217,6 +217,8 @@ def test_tr_serve_run_loopback_token_auth_and_graceful_sigterm(tmp_path):
             finished = bool(last.get("choices")) and last["choices"][0]["finish_reason"] == "length"
             cut = "error" in last and last["error"]["code"] == "shutting_down"
             assert finished or cut, (tag, last)
+            print(f"{tag} stream: {len(chunks)} chunks, then {'finish_reason length' if finished else 'shutting_down'}"
+                  f" and [DONE]")
         assert "error" in json.loads(events["long"][-2]), "1500 tokens cannot finish within the drain timeout"
         rc = proc.wait(timeout=EXIT_TIMEOUT_S)
         print(f"tr-serve run exited {time.monotonic() - sigterm_at:.1f} s after SIGTERM")
