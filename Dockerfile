@@ -10,6 +10,15 @@
 ARG BASE_IMAGE=rayproject/ray:2.60.0-py311-cpu
 FROM ${BASE_IMAGE}
 
+# The runner's CPU kernels (panel GEMM, tree attention, layer ops, top-k) are C compiled at start-up
+# with -march=native for the node's CPU (tr_serve/runner/native.py): gcc and the C headers, and libgomp
+# to link the OpenMP runtime torch runs on. Without a compiler the image would run torch's kernels.
+USER root
+RUN apt-get update \
+    && apt-get install -y --no-install-recommends gcc libc6-dev libgomp1 \
+    && rm -rf /var/lib/apt/lists/*
+USER ray
+
 # torch first, from the given wheel index (CPU wheels by default; pick the CUDA index that matches
 # the GPU base); `pip install .` then accepts it, as in the Makefile. Its own layer: code changes
 # do not reinstall it.

@@ -7,7 +7,7 @@
     tr-serve bench-fleet --questions PATH --json OUT [--per-category N] [--max-new-tokens N] [--tree NAME]
     tr-serve bench-tp [--tp 3] [--questions N] [--max-tokens N] [--tree T] ...
     tr-serve bench-tp-fleet [--config CONFIG.yaml] [--per-category N] [--max-tokens N] ...
-    tr-serve run CONFIG.yaml [--drain-timeout S]      # `serve run` with a graceful drain, Ray token auth on
+    tr-serve run CONFIG.yaml [--drain-timeout S] [--num-cpus N]  # `serve run` with a graceful drain, Ray token auth on
 
 Bad arguments print one line on stderr and exit with code 2.
 """

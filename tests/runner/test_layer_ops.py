@@ -11,9 +11,10 @@ from transformers.models.llama.modeling_llama import LlamaRMSNorm, apply_rotary_
 from tr_serve.runner import layer_ops as lo
 from tr_serve.runner import native
 from tr_serve.runner.model_runner import ModelRunner
+from tests.kernel_testutil import needs_kernel as _needs
 from tests.tiny_model import prefill_and_verify, small_llama
 
-needs_kernel = pytest.mark.skipif(not lo.available(), reason="no C compiler or torch without libgomp here")
+needs_kernel = _needs(lo.KERNEL)
 
 
 @needs_kernel
@@ -81,8 +82,10 @@ def test_a_rows_result_does_not_depend_on_the_other_rows():
 
 
 def test_unavailable_without_a_compiler(monkeypatch):
+    monkeypatch.delenv(native.REQUIRE_ENV, raising=False)  # (required, it raises: test_native.py)
     monkeypatch.setattr(lo.KERNEL, "tried", False)
     monkeypatch.setattr(lo.KERNEL, "lib", None)
+    monkeypatch.setattr(lo.KERNEL, "why_not", "")
     monkeypatch.setattr(native, "compiler", lambda: None)
     assert not lo.available()
     with pytest.raises(RuntimeError):

@@ -3,13 +3,17 @@ batch invariant (a row's result does not depend on the other rows), optional eve
 
 from __future__ import annotations
 
+import stat
+
 import pytest
 import torch
 import torch.nn.functional as F
 
+from tr_serve.runner import native
 from tr_serve.runner import panel_gemm as pg
+from tests.kernel_testutil import needs_kernel as _needs
 
-needs_kernel = pytest.mark.skipif(pg.load() is None, reason="no C compiler / libgomp for the panel GEMM")
+needs_kernel = _needs(pg.KERNEL)
 
 
 def test_pack_layout():
@@ -172,8 +176,10 @@ def test_every_balanced_row_block_count_gives_each_rows_result_alone(n, threads)
 
 
 def test_unavailable_without_a_compiler(monkeypatch):
+    monkeypatch.delenv(native.REQUIRE_ENV, raising=False)  # (required, it raises: test_native.py)
     monkeypatch.setattr(pg.KERNEL, "tried", False)
     monkeypatch.setattr(pg.KERNEL, "lib", None)
+    monkeypatch.setattr(pg.KERNEL, "why_not", "")
     monkeypatch.setattr(pg, "_compiler", lambda: None)
     assert pg.load() is None
     with pytest.raises(RuntimeError):
@@ -188,13 +194,19 @@ def test_switched_off_by_environment(monkeypatch):
 
 
 @needs_kernel
-def test_built_once_into_the_cache(tmp_path, monkeypatch):
-    monkeypatch.setenv("TR_SERVE_CACHE", str(tmp_path))
+def test_built_once_into_the_kernel_cache_not_tr_serve_cache(tmp_path, monkeypatch):
+    """Built into TR_SERVE_KERNEL_CACHE (0700), never into TR_SERVE_CACHE (weights and plans, maybe a
+    shared volume), then reused."""
+    shared, kernels = tmp_path / "shared", tmp_path / "private" / "kernels"
+    monkeypatch.setenv("TR_SERVE_CACHE", str(shared))
+    monkeypatch.setenv(native.KERNEL_CACHE_ENV, str(kernels))
     monkeypatch.setattr(pg.KERNEL, "tried", False)
     monkeypatch.setattr(pg.KERNEL, "lib", None)
     assert pg.load() is not None
-    [lib] = (tmp_path / "kernels").glob("panel_gemm-*.so")
-    assert not list((tmp_path / "kernels").glob("*.c"))  # sources and temporaries cleaned up
+    [lib] = kernels.glob("panel_gemm-*.so")
+    assert stat.S_IMODE(kernels.stat().st_mode) == 0o700 and not stat.S_IMODE(lib.stat().st_mode) & 0o022
+    assert not list(kernels.glob("*.c"))  # sources and temporaries cleaned up
+    assert not list(tmp_path.glob("shared/**/*.so"))
     stamp = lib.stat().st_mtime_ns
     monkeypatch.setattr(pg.KERNEL, "tried", False)
     monkeypatch.setattr(pg.KERNEL, "lib", None)

@@ -8,8 +8,9 @@ import torch
 
 from tr_serve.runner import top_k
 from tr_serve.runner.top_k import top_k_rows
+from tests.kernel_testutil import needs_kernel
 
-pytestmark = pytest.mark.skipif(top_k.KERNEL.get() is None, reason="no C compiler or libgomp here")
+pytestmark = needs_kernel(top_k.KERNEL)
 
 
 def test_argmax_and_top_k_match_torch_on_model_sized_rows():

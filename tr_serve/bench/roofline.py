@@ -44,8 +44,9 @@ SOURCE = r"""
 typedef float vec __attribute__((vector_size(LANES * 4)));
 
 /* CHAINS independent chains of ITERS fused multiply-adds of LANES floats per thread; the sum of
-   every lane goes to out so that nothing is optimised away. Returns LANES. */
+   every lane goes to out so that nothing is optimised away. Returns LANES (0: no threads, no iterations). */
 int tr_fma_peak(int64_t iters, int nthreads, float *out) {
+    if (iters < 1 || nthreads < 1) return 0;
     float total = 0.0f;
     #pragma omp parallel num_threads(nthreads) reduction(+:total)
     {
@@ -77,10 +78,12 @@ KERNEL = native.Kernel("fp32 peak loop", "fma_peak", f"#define CHAINS {CHAINS}\n
 def measure_peak_gflops(threads: int | None = None, seconds: float = 0.05, repeats: int = 5) -> float | None:
     """This CPU's float32 multiply-add peak in GFLOPS with ``threads`` threads (default: torch's),
     the best of ``repeats`` runs of about ``seconds`` each; None where the loop cannot be built."""
+    threads = torch.get_num_threads() if threads is None else threads
+    if not isinstance(threads, int) or threads < 1 or not seconds > 0 or not isinstance(repeats, int) or repeats < 1:
+        raise ValueError(f"peak loop: threads {threads}, seconds {seconds} and repeats {repeats} must be positive")
     lib = KERNEL.get()
     if lib is None:
         return None
-    threads = threads or torch.get_num_threads()
     out = ctypes.c_float(0.0)
     iters = 1 << 16
     while True:  # grow the loop until one run takes long enough to time

@@ -33,14 +33,15 @@ typedef int (*gemm_t)(const float *, int64_t, const float *, float *, int64_t, i
 typedef int (*norm_t)(float *, int64_t, const float *, int64_t, float *, int64_t, const float *, int64_t, int64_t,
                       float, int);
 typedef int (*rope_t)(float *, int64_t, const float *, int64_t, const float *, int64_t, const float *, const float *,
-                      int64_t, int64_t, int64_t, int64_t, float *, float *, int64_t, const int64_t *,
+                      int64_t, int64_t, int64_t, int64_t, float *, float *, int64_t, int64_t, const int64_t *,
                       const int64_t *, int);
 typedef int (*silu_t)(const float *, int64_t, const float *, int64_t, float *, int64_t, int64_t, int);
-typedef int (*attn_t)(const float *, float *, const float *, const float *, int64_t, int64_t, const int64_t *,
-                      const int64_t *, const uint8_t *, int64_t, int64_t, int64_t, int64_t, int64_t, float, int);
+typedef int (*attn_t)(const float *, float *, const float *, const float *, int64_t, int64_t, int64_t, int64_t,
+                      const int64_t *, const int64_t *, const uint8_t *, int64_t, int64_t, int64_t, int64_t, int64_t,
+                      float, int);
 
 /* fn: gemm, norm, rope, silu, attention. dims: t tokens, D hidden, H heads, G key/value heads, d head
-   size, I intermediate, L cache slots per row. w[8 * i ...]: layer i's fused q/k/v panels, o panels,
+   size, I intermediate, L cache slots per row, R cache rows. w[8 * i ...]: layer i's fused q/k/v panels, o panels,
    fused gate/up panels, down panels, input norm weight, post-attention norm weight, key cache, value
    cache. h [t, D] (residual stream, updated in place), out [t, D], scratch: see below. */
 int tr_decoder_layers(void *const *fn, const int64_t *dims, float *const *w, int64_t nlayers, float *h,
@@ -53,6 +54,7 @@ int tr_decoder_layers(void *const *fn, const int64_t *dims, float *const *w, int
     silu_t silu = (silu_t)fn[3];
     attn_t attn = (attn_t)fn[4];
     const int64_t t = dims[0], D = dims[1], H = dims[2], G = dims[3], d = dims[4], I = dims[5], L = dims[6];
+    const int64_t R = dims[7];
     const int64_t Q = H * d, QKV = (H + 2 * G) * d;
     float *x = scratch, *qkv = x + t * D, *qc = qkv + t * QKV, *o = qc + t * Q, *tmp = o + t * Q;
     float *gu = tmp + t * D, *act = gu + t * 2 * I, *pend = act + t * I;
@@ -62,10 +64,10 @@ int tr_decoder_layers(void *const *fn, const int64_t *dims, float *const *w, int
         float *const *lw = w + 8 * i;
         rc |= norm(h, D, delta, D, x, D, lw[4], t, D, eps, nthreads);
         rc |= gemm(x, D, lw[0], qkv, QKV, t, D, QKV / 16, nthreads);
-        rc |= rope(qkv, QKV, qkv + Q, QKV, qkv + Q + G * d, QKV, cos, sin, t, H, G, d, lw[6], lw[7], L, rows, slots,
-                   nthreads);
+        rc |= rope(qkv, QKV, qkv + Q, QKV, qkv + Q + G * d, QKV, cos, sin, t, H, G, d, lw[6], lw[7], L, R, rows,
+                   slots, nthreads);
         for (int64_t r = 0; r < t; r++) memcpy(qc + r * Q, qkv + r * QKV, sizeof(float) * Q);
-        rc |= attn(qc, o, lw[6], lw[7], G * L * d, L * d, qrows, qprefix, vis, W, t, H, G, d, scale, nthreads);
+        rc |= attn(qc, o, lw[6], lw[7], G * L * d, L * d, R, L, qrows, qprefix, vis, W, t, H, G, d, scale, nthreads);
         rc |= gemm(o, Q, lw[1], tmp, D, t, Q, D / 16, nthreads);
         rc |= norm(h, D, tmp, D, x, D, lw[5], t, D, eps, nthreads);
         rc |= gemm(x, D, lw[2], gu, 2 * I, t, D, 2 * I / 16, nthreads);
@@ -198,18 +200,46 @@ def run(model: DriverModel, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tenso
         slots: torch.Tensor, queries: tree_attention.StepQueries) -> torch.Tensor:
     """The layers and the final norm over the packed tokens ``h`` [1, t, hidden] (updated in place,
     as the Python loop does); returns [t, hidden]."""
-    return _run(KERNEL.get(), model, h, cos, sin, rows, slots, queries)
+    lib = KERNEL.get()
+    if lib is None:
+        raise RuntimeError("the layer driver is not available on this machine")
+    return _run(lib, model, h, cos, sin, rows, slots, queries)
+
+
+def check_args(m: DriverModel, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rows: torch.Tensor,
+               slots: torch.Tensor, queries: tree_attention.StepQueries) -> None:
+    """What the C loop assumes of a step (raises otherwise): ``h`` fp32 CPU contiguous [1, t, hidden]
+    with t >= 1 (updated in place through its pointer), cos/sin of t x head size values, one int64
+    cache row and slot per token within the cache, and the tree attention's queries for t tokens."""
+    native.check_floats("layer driver: h", h, 3)
+    native.check_floats("layer driver: cos", cos)
+    native.check_floats("layer driver: sin", sin)
+    if h.shape[0] != 1 or h.shape[1] < 1 or h.shape[2] != m.hidden or not h.is_contiguous():
+        raise ValueError(f"layer driver: h {tuple(h.shape)} is not a contiguous [1, tokens >= 1, {m.hidden}]")
+    t = h.shape[1]
+    if cos.numel() != t * m.head_dim or sin.numel() != t * m.head_dim:
+        raise ValueError(f"layer driver: cos/sin of {cos.numel()}/{sin.numel()} values for {t} tokens of "
+                         f"{m.head_dim}")
+    cache_rows = m.tensors[6].shape[0]  # the first layer's key cache [rows, kv_heads, max_len, d]
+    for name, x in (("rows", rows), ("slots", slots)):
+        native.check_indices(f"layer driver: cache {name}", x, t)
+    native.check_bounds("layer driver: cache rows", rows, 0, cache_rows)
+    native.check_bounds("layer driver: cache slots", slots, 0, m.max_len)
+    tree_attention.check_queries(queries, t)
+    tree_attention.check_query_bounds(queries, cache_rows, m.max_len)
 
 
 def _run(lib: ctypes.CDLL, m: DriverModel, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
          rows: torch.Tensor, slots: torch.Tensor, queries: tree_attention.StepQueries) -> torch.Tensor:
+    rows, slots = native.as_long_index(rows), native.as_long_index(slots)
+    check_args(m, h, cos, sin, rows, slots, queries)
     t = h.shape[1]
-    dims = (ctypes.c_int64 * 7)(t, m.hidden, m.heads, m.kv_heads, m.head_dim, m.intermediate, m.max_len)
+    dims = (ctypes.c_int64 * 8)(t, m.hidden, m.heads, m.kv_heads, m.head_dim, m.intermediate, m.max_len,
+                                m.tensors[6].shape[0])
     out = torch.empty(t, m.hidden, dtype=torch.float32)
     scratch = torch.empty(scratch_floats(t, m.hidden, m.heads, m.kv_heads, m.head_dim, m.intermediate),
                           dtype=torch.float32)
     cos, sin = cos.reshape(t, -1).contiguous(), sin.reshape(t, -1).contiguous()
-    rows, slots = rows.to(torch.long).contiguous(), slots.to(torch.long).contiguous()
     rc = lib.tr_decoder_layers(m.functions, dims, m.pointers, len(m.pointers) // 8, h.data_ptr(), cos.data_ptr(),
                                sin.data_ptr(), rows.data_ptr(), slots.data_ptr(), queries.rows.data_ptr(),
                                queries.prefix.data_ptr(), queries.visible.data_ptr(), queries.visible.shape[1],

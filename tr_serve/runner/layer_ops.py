@@ -88,11 +88,15 @@ static inline void rotate(const float *x, float *y, const float *c, const float 
 
 /* token j < t: NQ query heads at q + j * qs (rotated in place), NK key heads at k + j * ks, value
    heads at v + j * vs, each of D floats; cos/sin [t, D]. The rotated keys and the values go to
-   slot slots[j] of cache row rows[j] of keys/values [rows, NK, L, D]. */
+   slot slots[j] of cache row rows[j] of keys/values [R, NK, L, D]. Returns 2 for an odd D, 3 when a
+   row or slot lies outside the cache (nothing written). */
 int tr_rope_store(float *q, int64_t qs, const float *k, int64_t ks, const float *v, int64_t vs,
                   const float *cos, const float *sin, int64_t t, int64_t NQ, int64_t NK, int64_t D,
-                  float *keys, float *values, int64_t L, const int64_t *rows, const int64_t *slots, int nthreads) {
+                  float *keys, float *values, int64_t L, int64_t R, const int64_t *rows, const int64_t *slots,
+                  int nthreads) {
     if (D % 2) return 2;
+    for (int64_t j = 0; j < t; j++)
+        if (rows[j] < 0 || rows[j] >= R || slots[j] < 0 || slots[j] >= L) return 3;
     #pragma omp parallel for num_threads(nthreads) if (t >= 16) schedule(static)
     for (int64_t j = 0; j < t; j++) {
         const float *c = cos + j * D, *s = sin + j * D;
@@ -138,8 +142,8 @@ _I64, _P, _F = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
 
 
 def _declare(lib: ctypes.CDLL) -> None:
-    lib.tr_rope_store.argtypes = [_P, _I64, _P, _I64, _P, _I64, _P, _P, _I64, _I64, _I64, _I64, _P, _P, _I64, _P,
-                                  _P, ctypes.c_int]
+    lib.tr_rope_store.argtypes = [_P, _I64, _P, _I64, _P, _I64, _P, _P, _I64, _I64, _I64, _I64, _P, _P, _I64, _I64,
+                                  _P, _P, ctypes.c_int]
     lib.tr_silu_mul.argtypes = [_P, _I64, _P, _I64, _P, _I64, _I64, ctypes.c_int]
     for fn in (lib.tr_rope_store, lib.tr_silu_mul):
         fn.restype = ctypes.c_int
@@ -184,13 +188,16 @@ def available() -> bool:
 
 def _rows(x: torch.Tensor) -> tuple[int, int]:
     """(rows, row stride) of a [..., n] fp32 CPU tensor whose last dimension is contiguous and whose
-    leading dimensions flatten to evenly spaced rows."""
-    if x.dtype != torch.float32 or x.device.type != "cpu" or x.stride(-1) != 1:
+    leading dimensions flatten to evenly spaced rows that do not overlap; at least one row of n >= 1."""
+    native.check_floats("layer ops", x)
+    if x.dim() < 1 or x.numel() == 0:
+        raise ValueError(f"layer ops: an empty input {tuple(x.shape)}")
+    if x.stride(-1) != 1:
         raise TypeError("layer ops take fp32 CPU tensors with a contiguous last dimension")
-    n = x.numel() // x.shape[-1] if x.shape[-1] else 0
-    lead = x.reshape(-1, x.shape[-1]) if n else x  # a view when rows are evenly spaced
-    if n > 1 and lead.data_ptr() != x.data_ptr():
-        raise ValueError("rows must be evenly spaced")
+    n = x.numel() // x.shape[-1]
+    lead = x.reshape(-1, x.shape[-1])  # a view when rows are evenly spaced
+    if n > 1 and (lead.data_ptr() != x.data_ptr() or lead.stride(0) < x.shape[-1]):
+        raise ValueError("rows must be evenly spaced and apart")
     return n, (lead.stride(0) if n > 1 else x.shape[-1])
 
 
@@ -214,6 +221,9 @@ def _add_rms_norm(lib, h, delta, weight, eps) -> torch.Tensor:
         if delta.shape != h.shape:
             raise ValueError(f"delta {tuple(delta.shape)} does not match h {tuple(h.shape)}")
         ds = _rows(delta)[1]
+    native.check_floats("layer ops: norm weight", weight, 1)
+    if weight.shape[0] != h.shape[-1]:
+        raise ValueError(f"layer ops: a norm weight of {weight.shape[0]} for a hidden size of {h.shape[-1]}")
     weight = weight.contiguous()
     out = torch.empty(h.shape, dtype=torch.float32)
     rc = lib.tr_add_rms_norm(h.data_ptr(), hs, delta.data_ptr() if delta is not None else None, ds, out.data_ptr(),
@@ -233,23 +243,35 @@ def rope_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Ten
 
 
 def _rope_store(lib, q, k, v, cos, sin, keys, values, rows, slots) -> None:
+    for x in (q, k, v, cos, sin, keys, values):
+        native.check_floats("layer ops: rope_store's q, k, v, cos, sin and cache", x)
+    if q.dim() != 3 or k.dim() != 3 or v.dim() != 3 or keys.dim() != 4:
+        raise ValueError("layer ops: q, k, v [tokens, heads, head size] and a cache [rows, heads, slots, head size]")
     t, heads, d = q.shape
     kv_heads = k.shape[1]
+    if t < 1 or heads < 1 or kv_heads < 1 or d < 2 or d % 2:
+        raise ValueError(f"layer ops: rotary embedding of q {tuple(q.shape)}, k {tuple(k.shape)}: no tokens, "
+                         "no heads or an odd head size")
     if k.shape != (t, kv_heads, d) or v.shape != k.shape or keys.shape[1] != kv_heads or keys.shape[3] != d:
         raise ValueError("q, k, v and the cache do not agree on tokens, heads or head size")
-    for x in (q, k, v):
-        if x.stride(2) != 1 or x.stride(1) != d:
-            raise ValueError("each token's heads must be contiguous")
+    for x, n in ((q, heads), (k, kv_heads), (v, kv_heads)):
+        if x.stride(2) != 1 or x.stride(1) != d or (t > 1 and x.stride(0) < n * d):
+            raise ValueError("each token's heads must be contiguous, tokens apart")
     if not (keys.is_contiguous() and values.is_contiguous() and keys.shape == values.shape):
         raise ValueError("the cache buffers must be contiguous and of one shape")
+    if cos.numel() != t * d or sin.numel() != t * d:
+        raise ValueError(f"layer ops: cos/sin of {cos.numel()}/{sin.numel()} values for {t} tokens of {d}")
     cos, sin = cos.reshape(t, d).contiguous(), sin.reshape(t, d).contiguous()
-    rows, slots = rows.to(torch.long).contiguous(), slots.to(torch.long).contiguous()
-    if rows.numel() != t or slots.numel() != t:
-        raise ValueError("one cache row and slot per token")
+    rows, slots = native.as_long_index(rows), native.as_long_index(slots)
+    native.check_indices("layer ops: cache rows", rows, t)
+    native.check_indices("layer ops: cache slots", slots, t)  # their values: checked by the kernel (code 3)
     rc = lib.tr_rope_store(q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0),
                            cos.data_ptr(), sin.data_ptr(), t, heads, kv_heads, d, keys.data_ptr(),
-                           values.data_ptr(), keys.shape[2], rows.data_ptr(), slots.data_ptr(),
+                           values.data_ptr(), keys.shape[2], keys.shape[0], rows.data_ptr(), slots.data_ptr(),
                            torch.get_num_threads())
+    if rc == 3:
+        raise IndexError(f"layer ops: a cache row or slot outside the cache's {keys.shape[0]} rows of "
+                         f"{keys.shape[2]} slots (rows {rows.tolist()}, slots {slots.tolist()})")
     if rc != 0:
         raise ValueError(f"layer ops: a head size of {d} is odd")
 
@@ -260,6 +282,8 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 
 
 def _silu_mul(lib, gate, up) -> torch.Tensor:
+    native.check_floats("layer ops: gate", gate)
+    native.check_floats("layer ops: up", up)
     if gate.shape != up.shape:
         raise ValueError(f"gate {tuple(gate.shape)} and up {tuple(up.shape)} differ")
     t, gs = _rows(gate)

@@ -315,11 +315,13 @@ static void transpose_x(const float *x, int64_t ldx, float *xt, int64_t M, int64
 static __thread float *xt_buf;  /* x transposed per chunk of 16 rows, [chunks][K][16]; grows, never shrinks */
 static __thread int64_t xt_cap;
 
-/* y[M][ldy] = x[M][K] (row stride ldx) . panels P[NB][K][16]; ldy >= NB*16; returns 0 on success.
+/* y[M][ldy] = x[M][K] (row stride ldx) . panels P[NB][K][16]; ldy >= NB*16; returns 0 on success, 1
+   out of memory, 2 for sizes it does not take (no rows: the group tables have no kernel for 0).
    One parallel region: x is first transposed into chunks of 16 rows (each thread a share of k, then a
    barrier), then each thread takes an equal run of panels. */
 int tr_panel_gemm(const float *x, int64_t ldx, const float *P, float *y, int64_t ldy,
                   int64_t M, int64_t K, int64_t NB, int nthreads) {
+    if (M < 1 || K < 1 || NB < 1 || ldx < K || ldy < NB * 16 || nthreads < 1) return 2;
     /* the split path's row blocks (10-12 rows and 17-128; 13-16 where not narrow): as many as blocks of
        SPLIT_ROWS need, the rows shared out evenly (17 rows: 6 + 6 + 5, not 8 + 8 + 1). A block of 1-2
        rows has too few chains of multiply-adds to hide their latency, and its pass over the sub-block
@@ -418,7 +420,23 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
     return w.reshape(n16 // PANEL, PANEL, k).transpose(1, 2).contiguous()
 
 
+def check_args(x: torch.Tensor, panels: torch.Tensor, n: int) -> None:
+    """What the kernel assumes of a call (raises otherwise): ``x`` fp32 CPU [..., K] with at least
+    one row and K >= 1; ``panels`` fp32 CPU contiguous [ceil(n / 16), K, 16]."""
+    native.check_floats("panel GEMM input", x)
+    native.check_floats("panel GEMM panels", panels, 3)
+    if x.dim() < 1 or x.shape[-1] < 1 or x.numel() == 0:
+        raise ValueError(f"panel GEMM: no rows or no inputs in {tuple(x.shape)}")
+    nb, k, lanes = panels.shape
+    if lanes != PANEL or k != x.shape[-1] or not panels.is_contiguous():
+        raise ValueError(f"panel GEMM: panels {tuple(panels.shape)} (contiguous: {panels.is_contiguous()}) do "
+                         f"not pack a weight of {x.shape[-1]} inputs as [N/16, K, 16]")
+    if not isinstance(n, int) or n < 1 or -(-n // PANEL) != nb:
+        raise ValueError(f"panel GEMM: {n} outputs do not fill {nb} panels of {PANEL}")
+
+
 def _run(lib: ctypes.CDLL, x: torch.Tensor, panels: torch.Tensor, n: int) -> torch.Tensor:
+    check_args(x, panels, n)
     if not x.is_contiguous():
         x = x.contiguous()
     k = x.shape[-1]
@@ -427,8 +445,10 @@ def _run(lib: ctypes.CDLL, x: torch.Tensor, panels: torch.Tensor, n: int) -> tor
     y = torch.empty(*x.shape[:-1], width, dtype=torch.float32)
     rc = lib.tr_panel_gemm(x.data_ptr(), k, panels.data_ptr(), y.data_ptr(), width, x.numel() // k, k, nb,
                            torch.get_num_threads())
-    if rc != 0:
+    if rc == 1:
         raise MemoryError("panel GEMM: out of memory")
+    if rc != 0:
+        raise ValueError(f"panel GEMM: sizes it does not take (x {tuple(x.shape)}, panels {tuple(panels.shape)})")
     return y if width == n else y[..., :n].contiguous()
 
 
@@ -437,8 +457,6 @@ def linear(x: torch.Tensor, panels: torch.Tensor, n: int, bias: torch.Tensor | N
     lib = KERNEL.get()
     if lib is None:
         raise RuntimeError("the panel GEMM is not available on this machine")
-    if x.dtype != torch.float32 or x.device.type != "cpu":
-        raise TypeError("the panel GEMM takes fp32 CPU inputs")
     y = _run(lib, x, panels, n)
     if bias is not None:
         y = y + bias

@@ -102,7 +102,21 @@ KERNEL = native.Kernel("top-k", "top_k", SOURCE, "TR_SERVE_TOP_K", "tr_top_k",
                         ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int], _self_check)
 
 
+def check_args(logits: torch.Tensor, k: int) -> None:
+    """What the kernel assumes (raises otherwise): fp32 CPU logits [n >= 1, V] with V a multiple of
+    16, contiguous rows, and 1 <= k <= min(64, V)."""
+    native.check_floats("top-k: logits", logits, 2)
+    n, v = logits.shape
+    if n < 1 or v < 16 or v % 16:
+        raise ValueError(f"top-k: logits {tuple(logits.shape)}: no rows, or a vocabulary not a multiple of 16")
+    if logits.stride(1) != 1 or (n > 1 and logits.stride(0) < v):
+        raise ValueError("top-k: each row of logits must be contiguous, rows apart")
+    if not isinstance(k, int) or not 1 <= k <= min(MAX_K, v):
+        raise ValueError(f"top-k: k = {k} outside [1, {min(MAX_K, v)}]")
+
+
 def _run(lib: ctypes.CDLL, logits: torch.Tensor, k: int) -> torch.Tensor | None:
+    check_args(logits, k)
     n, v = logits.shape
     out = torch.empty(n, k, dtype=torch.long)
     flags = torch.empty(n, dtype=torch.int32)
@@ -130,9 +144,15 @@ def top_k_rows(logits: torch.Tensor, k: int) -> torch.Tensor | None:
     """[n, k] int64 indices of each row's k largest ``logits`` [n, V], largest first, ``[:, 0]``
     equal to ``logits.argmax(dim=-1)``; None where this kernel does not apply (not fp32 on CPU,
     V not a multiple of 16, k above 64 or V, a row with a NaN or fewer than k finite-ranked
-    values, or no kernel here): the caller then uses torch."""
-    if (logits.device.type != "cpu" or logits.dtype != torch.float32 or logits.dim() != 2 or logits.shape[0] == 0
-            or logits.shape[1] % 16 or not 1 <= k <= min(MAX_K, logits.shape[1]) or logits.stride(1) != 1):
+    values, or no kernel here): the caller then uses torch. A k below 1 or above V, or logits that
+    are not 2-D, are the caller's error (ValueError), as ``torch.topk`` would say."""
+    if not isinstance(logits, torch.Tensor) or logits.dim() != 2:
+        raise ValueError("top-k: logits must be a 2-D tensor [rows, vocabulary]")
+    if not isinstance(k, int) or not 1 <= k <= logits.shape[1]:
+        raise ValueError(f"top-k: k = {k} outside [1, {logits.shape[1]}]")
+    if (logits.device.type != "cpu" or logits.dtype != torch.float32 or logits.shape[0] == 0
+            or logits.shape[1] % 16 or k > MAX_K or logits.stride(1) != 1
+            or (logits.shape[0] > 1 and logits.stride(0) < logits.shape[1])):
         return None
     lib = KERNEL.get()
     if lib is None:

@@ -209,13 +209,17 @@ static inline __attribute__((always_inline)) int several(
 #define SHAPES(X) X(1, 4) X(2, 4) X(3, 4) X(4, 4) X(8, 4) X(1, 8) X(2, 8) X(4, 8) X(8, 8)
 #define PAIRED_SHAPES(X) X(1, 4) X(2, 4) X(3, 4) X(1, 8)
 
-/* q, out: [T][H][D]; K/V of cache row r, key/value head g at kb + r * row_stride + g * head_stride,
-   [slots][D]; query i sees slots < prefix[i] and prefix[i] + m where vis[i * W + m].
-   Returns 0, 1 when out of memory, 2 for shapes it does not take. */
+/* q, out: [T][H][D]; K/V of cache row r < R, key/value head g at kb + r * row_stride + g * head_stride,
+   [L slots][D]; query i sees slots < prefix[i] and prefix[i] + m where vis[i * W + m].
+   Returns 0, 1 when out of memory, 2 for shapes it does not take, 3 when a query's row or its prefix
+   and the W new slots lie outside the cache. */
 int tr_tree_attention(const float *q, float *out, const float *kb, const float *vb, int64_t row_stride,
-                      int64_t head_stride, const int64_t *rows, const int64_t *prefix, const uint8_t *vis,
-                      int64_t W, int64_t T, int64_t H, int64_t G, int64_t D, float scale, int nthreads) {
+                      int64_t head_stride, int64_t R, int64_t L, const int64_t *rows, const int64_t *prefix,
+                      const uint8_t *vis, int64_t W, int64_t T, int64_t H, int64_t G, int64_t D, float scale,
+                      int nthreads) {
     if (G <= 0 || H % G != 0 || D % 16 != 0) return 2;
+    for (int64_t i = 0; i < T; i++)
+        if (rows[i] < 0 || rows[i] >= R || prefix[i] < 0 || prefix[i] + W > L) return 3;
     const int NH = (int)(H / G), DV = (int)(D / 16);
     const int kind = NH * 100 + DV;
     if (NH > 16 || DV > 16) return 2;
@@ -299,22 +303,54 @@ def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, queries: S
     return _attend(lib, q, keys, values, queries, scale)
 
 
+def check_queries(queries: StepQueries, t: int) -> None:
+    """``queries`` describe ``t`` query tokens: contiguous int64 rows and prefixes, contiguous uint8
+    visibility [t, W >= 1]. (Whether their rows and slots lie in the cache: :func:`check_query_bounds`,
+    or the kernel itself, which refuses them with code 3.)"""
+    native.check_indices("tree attention: query rows", queries.rows, t)
+    native.check_indices("tree attention: query prefixes", queries.prefix, t)
+    vis = queries.visible
+    if not isinstance(vis, torch.Tensor) or vis.dtype is not torch.uint8 or not vis.is_cpu or vis.dim() != 2 \
+            or not vis.is_contiguous():
+        raise TypeError("tree attention: visibility must be a contiguous 2-D uint8 CPU tensor")
+    if vis.shape[0] != t or vis.shape[1] < 1:
+        raise ValueError(f"tree attention: visibility {tuple(vis.shape)} for {t} query tokens")
+
+
+def check_query_bounds(queries: StepQueries, cache_rows: int, max_len: int) -> None:
+    """Each query token's row lies in a cache of ``cache_rows`` rows, and its prefix plus the step's W
+    new slots within the row's ``max_len`` slots."""
+    native.check_bounds("tree attention: query rows", queries.rows, 0, cache_rows)
+    native.check_bounds("tree attention: query prefixes", queries.prefix, 0, max_len - queries.visible.shape[1] + 1)
+
+
 def _attend(lib: ctypes.CDLL, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, queries: StepQueries,
             scale: float) -> torch.Tensor:
-    if q.dtype != torch.float32 or keys.dtype != torch.float32 or q.device.type != "cpu":
-        raise TypeError("the tree attention kernel takes fp32 CPU tensors")
-    if not (keys.is_contiguous() and values.is_contiguous()):
-        raise ValueError("the KV cache buffers must be contiguous")
-    q = q.contiguous()
+    native.check_floats("tree attention: q", q, 3)
+    native.check_floats("tree attention: keys", keys, 4)
+    native.check_floats("tree attention: values", values, 4)
+    if not (keys.is_contiguous() and values.is_contiguous()) or keys.shape != values.shape:
+        raise ValueError("the KV cache buffers must be contiguous and of one shape")
     t, heads, d = q.shape
-    _, kv_heads, max_len, _ = keys.shape
+    cache_rows, kv_heads, max_len, kd = keys.shape
+    if t < 1:
+        raise ValueError("tree attention: no query tokens")
+    if kd != d or min(heads, d) < 1 or not supports(heads, kv_heads, d):
+        raise ValueError(f"tree attention does not take {heads} heads of size {d} on {kv_heads} key/value heads "
+                         f"of size {kd}")
+    check_queries(queries, t)
+    q = q.contiguous()
     out = torch.empty(t, heads * d, dtype=torch.float32)
     rc = lib.tr_tree_attention(q.data_ptr(), out.data_ptr(), keys.data_ptr(), values.data_ptr(),
-                               kv_heads * max_len * d, max_len * d, queries.rows.data_ptr(),
+                               kv_heads * max_len * d, max_len * d, cache_rows, max_len, queries.rows.data_ptr(),
                                queries.prefix.data_ptr(), queries.visible.data_ptr(), queries.visible.shape[1],
                                t, heads, kv_heads, d, scale, torch.get_num_threads())
     if rc == 1:
         raise MemoryError("tree attention: out of memory")
+    if rc == 3:
+        raise IndexError(f"tree attention: a query's row or slots outside the cache's {cache_rows} rows of {max_len} "
+                         f"slots (rows {queries.rows.tolist()}, prefixes {queries.prefix.tolist()}, "
+                         f"{queries.visible.shape[1]} new slots)")
     if rc != 0:
         raise ValueError(f"tree attention does not take {heads} heads on {kv_heads} key/value heads of size {d}")
     return out
@@ -358,5 +394,5 @@ def _self_check(lib: ctypes.CDLL) -> bool:
 
 
 KERNEL = native.Kernel("tree attention", "tree_attention", SOURCE, "TR_SERVE_TREE_ATTENTION", "tr_tree_attention",
-                       [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 2 + [ctypes.c_void_p] * 3
+                       [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 4 + [ctypes.c_void_p] * 3
                        + [ctypes.c_int64] * 5 + [ctypes.c_float, ctypes.c_int], _self_check)

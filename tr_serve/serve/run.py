@@ -20,15 +20,28 @@ the cluster either. The token comes from ``RAY_AUTH_TOKEN``, or the file ``RAY_A
 ``~/.ray/auth_token``, generated on first run with owner-only permissions (0600; a token file
 readable by others is tightened to 0600). Ray's CLI (``ray status``, ``serve status``) finds the
 same file. With ``--address`` the cluster's own settings apply.
+
+The local Ray runs in a session of its own: ``tr-serve run`` starts a second copy of itself in a new
+session (so a new process group) that starts Ray and drains, and the first copy only forwards it
+SIGINT and SIGTERM and returns its exit status. A signal to the whole process group (``kill --
+-PGID``, Ctrl-C in a terminal) then reaches that forwarder alone, not Ray's GCS and raylet: were they
+to get it they would exit at once, the drain would have no cluster to drain (streams cut, then a
+minute of "Failed to connect to GCS" before the exit). If the forwarder dies, even by SIGKILL, the
+second copy gets SIGKILL (Linux' parent-death signal) and Ray's processes go with it, as they go
+with the process that started them. (systemd's ``KillMode=control-group`` signals every process of
+the unit's cgroup whatever its session: use ``KillMode=mixed``, which sends SIGTERM to the main
+process only.)
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import os
 import secrets
 import signal
 import stat
+import subprocess
 import sys
 import threading
 import time
@@ -44,6 +57,9 @@ DESCRIPTION = ("Deploy a Serve config as `serve run` does, on a local Ray with t
                "on SIGINT/SIGTERM drain the tr_serve applications (in-flight requests get drain_timeout_s), then "
                "shut Serve and Ray down.")
 DRAIN_EXTRA_S = 10.0  # past the drain timeout, how long to wait for the ingress to end its streams
+OWN_SESSION_FLAG = "--in-own-session"  # (hidden) this copy runs in the session the forwarder made for it
+FORWARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
 def log(msg: str) -> None:
@@ -146,6 +162,47 @@ def drain_timeout_s(args: dict) -> float:
         return TRServeConfig().drain_timeout_s
 
 
+# ---- own session -----------------------------------------------------------------------------
+def _die_with_parent(parent: int) -> None:
+    """In the child, before exec: SIGKILL when the parent dies (Linux), so that nothing of the
+    session outlives a forwarder that was killed; exits at once if the parent is already gone."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
+        os._exit(70)  # EX_SOFTWARE: without it a killed forwarder would leave Ray running
+    if os.getppid() != parent:  # the parent died before prctl: no signal will come
+        os._exit(70)
+
+
+def _child_argv(args) -> list[str]:
+    """The command line of the copy that runs in its own session: this one's arguments."""
+    argv = [sys.executable, "-m", "tr_serve.serve.run", args.config, OWN_SESSION_FLAG]
+    if args.address:
+        argv += ["--address", args.address]
+    if args.drain_timeout is not None:
+        argv += ["--drain-timeout", repr(args.drain_timeout)]
+    if args.num_cpus is not None:
+        argv += ["--num-cpus", str(args.num_cpus)]
+    if args.no_dashboard:
+        argv.append("--no-dashboard")
+    return argv
+
+
+def run_in_own_session(args) -> int:
+    """Run ``tr-serve run`` again in a new session (see the module docstring) and forward SIGINT and
+    SIGTERM to it until it exits; its exit status (128 + N for a signal N, as a shell reports it)."""
+    preexec = (lambda parent=os.getpid(): _die_with_parent(parent)) if sys.platform.startswith("linux") else None
+    child = subprocess.Popen(_child_argv(args), start_new_session=True, preexec_fn=preexec)
+
+    def forward(signum, frame):
+        if child.poll() is None:
+            child.send_signal(signum)
+
+    for sig in FORWARDED_SIGNALS:
+        signal.signal(sig, forward)
+    rc = child.wait()  # retried after each forwarded signal (PEP 475)
+    return 128 - rc if rc < 0 else rc
+
+
 # ---- main ------------------------------------------------------------------------------------
 def add_parser(sub) -> None:
     p = sub.add_parser("run", help="serve a Ray Serve config (as `serve run`), draining on SIGINT/SIGTERM",
@@ -161,10 +218,15 @@ def _arguments(p) -> None:
     p.add_argument("--drain-timeout", type=float, default=None, metavar="S",
                    help="seconds in-flight requests get on SIGINT/SIGTERM (default: each app's drain_timeout_s)")
     p.add_argument("--no-dashboard", action="store_true", help="do not start Ray's dashboard (local Ray only)")
+    p.add_argument("--num-cpus", type=int, default=None, metavar="N",
+                   help="CPUs the local Ray offers its tasks and actors (default: all of this machine's)")
+    p.add_argument(OWN_SESSION_FLAG, action="store_true", help=argparse.SUPPRESS)
 
 
 def run(args) -> int:
     local = args.address in (None, "", "local")
+    if local and os.name == "posix" and not args.in_own_session:
+        return run_in_own_session(args)
     if local:  # before Ray reads its settings (it caches them when first imported)
         os.environ[LOCAL_ONLY_ENV] = "0"
         os.environ["RAY_AUTH_MODE"] = "token"
@@ -190,7 +252,7 @@ def run(args) -> int:
 
     if local:
         log(f"starting a local Ray on loopback with token authentication (token: {token_source})")
-        ray.init(address="local", namespace="serve", dashboard_host="127.0.0.1",
+        ray.init(address="local", namespace="serve", dashboard_host="127.0.0.1", num_cpus=args.num_cpus,
                  include_dashboard=False if args.no_dashboard else None)
     else:
         ray.init(address=args.address, namespace="serve")
