@@ -174,7 +174,8 @@ def test_worker_bundles_get_cpus_where_they_name_none():
                                                         {"GPU": 1, "CPU": 8}]
     assert with_worker_cpus(bundles, 2, True, 3) == [{"CPU": 2}, {"GPU": 1, "CPU": 3}, {"GPU": 1, "CPU": 8}]
     assert bundles[1] == {"GPU": 1}  # the config's own list is left alone
-    assert with_worker_cpus([{"GPU": 1}, {"GPU": 1}], 2, True, None) == [{"GPU": 1}, {"GPU": 1, "CPU": 4}]  # bundle 0: the replica's
+    # bundle 0 is the replica's, even where rank 0 shares it: its CPUs are the replica's to name
+    assert with_worker_cpus([{"GPU": 1}, {"GPU": 1}], 2, True, None) == [{"GPU": 1}, {"GPU": 1, "CPU": 4}]
     assert with_worker_cpus([{"GPU": 1}] * 2, 1, True, None) == [{"GPU": 1}] * 2  # no tensor parallelism: untouched
     with pytest.raises(ValueError, match=r"worker_cpus=9 does not fit placement_group_bundles\[2\]"):
         with_worker_cpus(bundles, 2, True, 9)

@@ -96,10 +96,10 @@ class TRServeConfig(BaseModel):
     tensor_parallel_size: int = Field(default=1, ge=1, description="ranks the model is split over (tr_serve.tp); "
                                       "> 1: Ray actors in the last N placement group bundles, or a group of their own")
     init_timeout_s: float = Field(
-        default=DEFAULT_INIT_TIMEOUT_S, gt=0, allow_inf_nan=False, description="tensor parallel: how long the replica's start-up may take (placing the "
-                                         "workers, each reading its shard of the weights, downloads included, "
-                                         "the process group, the kernel plan) before it fails; raise it for a "
-                                         "large checkpoint that is not on local disk yet")
+        default=DEFAULT_INIT_TIMEOUT_S, gt=0, allow_inf_nan=False,
+        description="tensor parallel: how long the replica's start-up may take (placing the workers, each reading "
+                    "its shard of the weights, downloads included, the process group and its warm-up all-reduce, "
+                    "the kernel plan) before it fails; raise it for a large checkpoint that is not on local disk yet")
     step_timeout_s: float = Field(
         default=DEFAULT_STEP_TIMEOUT_S, gt=0, allow_inf_nan=False,
         description="tensor parallel: how long one forward on every worker may take before the runner fails and "
