@@ -40,7 +40,7 @@ def test_llama70b_yaml_builds_an_8_gpu_tensor_parallel_replica():
     args = yaml.safe_load((CONFIGS / "llama70b.yaml").read_text())["applications"][0]["args"]
     cfg = TRServeConfig.from_args(args)
     opts = cfg.server_deployment_options()
-    assert opts["placement_group_bundles"] == [{"CPU": 1}] + [{"GPU": 1}] * 8  # the replica, then 8 TP workers
+    assert opts["placement_group_bundles"] == [{"CPU": 4}] + [{"GPU": 1, "CPU": 4}] * 8  # the replica, 8 TP workers
     assert cfg.tensor_parallel_size == 8
     assert opts["placement_group_strategy"] == "STRICT_PACK"
     assert opts["autoscaling_config"]["min_replicas"] == 1 and opts["autoscaling_config"]["max_replicas"] == 4

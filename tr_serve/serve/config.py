@@ -11,6 +11,7 @@ there, once), with ``model`` at the top level; the Serve fields are passed to
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from typing import Any, Literal, Optional, Union
 
@@ -18,6 +19,8 @@ from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, f
 
 from tr_serve.engine.config import DEFAULT_MODEL, EngineConfig
 from tr_serve.fleet.config import FleetSyncConfig
+from tr_serve.tp.placement import (DEFAULT_CPU_WORKER_CPUS, DEFAULT_GPU_WORKER_CPUS, DEFAULT_INIT_TIMEOUT_S,
+                                   DEFAULT_STEP_TIMEOUT_S, torch_threads, with_worker_cpus)
 
 API_KEYS_ENV = "TR_SERVE_API_KEYS"
 
@@ -84,16 +87,28 @@ class TRServeConfig(BaseModel):
         default_factory=EngineConfig, description="the engine's settings (tr_serve.engine.config.EngineConfig: "
                                                   "tree, k, max_num_seqs, max_model_len, device, dtype, budget, ...) "
                                                   "but `model`, validated by the engine's own checks")
-    cpu_threads: Optional[int] = Field(default=None, ge=1, description="torch.set_num_threads in the model replica")
+    cpu_threads: Optional[int] = Field(
+        default=None, ge=1, description="torch.set_num_threads in the model replica; default: the CPUs it reserves "
+                                        "(ray_actor_options.num_cpus, else placement_group_bundles[0].CPU), rounded "
+                                        "down, at least 1; it may not exceed them (rounded up)")
     fleet: FleetSyncConfig = Field(default_factory=FleetSyncConfig,
                                    description="fleet-wide hot start: replicas share one adjacency matrix (tr_serve.fleet)")
     tensor_parallel_size: int = Field(default=1, ge=1, description="ranks the model is split over (tr_serve.tp); "
                                       "> 1: Ray actors in the last N placement group bundles, or a group of their own")
     init_timeout_s: float = Field(
-        default=600.0, gt=0, description="tensor parallel: how long the replica's start-up may take (placing the "
-                                         "workers, each reading its shard of the weights, downloads included, "
-                                         "the process group, the kernel plan) before it fails; raise it for a "
-                                         "large checkpoint that is not on local disk yet")
+        default=DEFAULT_INIT_TIMEOUT_S, gt=0, allow_inf_nan=False,
+        description="tensor parallel: how long the replica's start-up may take (placing the workers, each reading "
+                    "its shard of the weights, downloads included, the process group and its warm-up all-reduce, "
+                    "the kernel plan) before it fails; raise it for a large checkpoint that is not on local disk yet")
+    step_timeout_s: float = Field(
+        default=DEFAULT_STEP_TIMEOUT_S, gt=0, allow_inf_nan=False,
+        description="tensor parallel: how long one forward on every worker may take before the runner fails and "
+                    "Serve replaces the replica (NCCL is set up within init_timeout_s, not in a first forward)")
+    worker_cpus: Optional[float] = Field(
+        default=None, gt=0, allow_inf_nan=False,
+        description="tensor parallel: CPUs each worker reserves in its placement group bundle, and its torch "
+                    "threads (rounded down, at least 1); default: its bundle's CPU, and a worker bundle that names "
+                    f"no CPU gets {DEFAULT_GPU_WORKER_CPUS:g} on CUDA, {DEFAULT_CPU_WORKER_CPUS:g} on CPU")
 
     # ---- HTTP API ---------------------------------------------------------------------------
     api_keys: list[SecretStr] = Field(default_factory=list,
@@ -171,6 +186,12 @@ class TRServeConfig(BaseModel):
         if tp > 1 and bundles is not None and len(bundles) < tp:
             raise ValueError(f"tensor_parallel_size={tp} needs at least {tp} placement_group_bundles (one per "
                              f"worker, plus one first for the replica), got {len(bundles)}")
+        self.resolved_placement_group_bundles()  # worker_cpus fits every worker bundle (ValueError naming it)
+        cpus = self.replica_cpus()
+        if self.cpu_threads is not None and cpus is not None and self.cpu_threads > max(1, math.ceil(cpus)):
+            raise ValueError(f"cpu_threads={self.cpu_threads} exceeds the {cpus:g} CPU(s) the model replica reserves "
+                             "(ray_actor_options.num_cpus, else placement_group_bundles[0].CPU): reserve more CPUs "
+                             "there or lower cpu_threads")
         return self
 
     # ---- derived ----------------------------------------------------------------------------
@@ -181,6 +202,32 @@ class TRServeConfig(BaseModel):
     def engine_config(self) -> EngineConfig:
         """``engine_kwargs`` with the top-level ``model``: what the replica's engine is built with."""
         return dataclasses.replace(self.engine_kwargs, model=self.model)
+
+    def replica_cpus(self) -> float | None:
+        """The logical CPUs the model replica reserves, where the config says (``ray_actor_options``'s
+        ``num_cpus``, else bundle 0's ``CPU``, where it lives); None: Serve's default."""
+        actor = self.ray_actor_options or {}
+        if "num_cpus" in actor:
+            return float(actor["num_cpus"])
+        if self.placement_group_bundles:
+            return float(self.placement_group_bundles[0].get("CPU", 0))
+        return None
+
+    def resolved_cpu_threads(self) -> int | None:
+        """The replica's torch threads: ``cpu_threads``, else its reserved CPUs (Ray's rule for
+        ``OMP_NUM_THREADS``, made explicit); None: torch's default."""
+        if self.cpu_threads is not None:
+            return self.cpu_threads
+        cpus = self.replica_cpus()
+        return torch_threads(cpus) if cpus is not None else None
+
+    def resolved_placement_group_bundles(self) -> list[dict[str, float]] | None:
+        """``placement_group_bundles`` with the tensor-parallel workers' CPUs filled in
+        (``tr_serve.tp.placement.with_worker_cpus``): what Serve reserves."""
+        if self.placement_group_bundles is None:
+            return None
+        return with_worker_cpus(self.placement_group_bundles, self.tensor_parallel_size,
+                                self.engine_kwargs.device.startswith("cuda"), self.worker_cpus)
 
     def resolved_max_prompt_chars(self) -> int:
         return self.max_prompt_chars or PROMPT_CHARS_PER_TOKEN * self.engine_kwargs.max_model_len
@@ -218,7 +265,7 @@ class TRServeConfig(BaseModel):
         if actor:
             opts["ray_actor_options"] = actor
         if self.placement_group_bundles is not None:
-            opts["placement_group_bundles"] = self.placement_group_bundles
+            opts["placement_group_bundles"] = self.resolved_placement_group_bundles()
             opts["placement_group_strategy"] = self.placement_group_strategy or "PACK"
         for name in ("health_check_period_s", "health_check_timeout_s"):
             value = getattr(self, name)

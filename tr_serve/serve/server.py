@@ -41,15 +41,17 @@ class LLMServer:
 
         self.config = TRServeConfig.from_args(config)
         self.model_id = self.config.served_model_id
-        if self.config.cpu_threads:
-            torch.set_num_threads(self.config.cpu_threads)
+        threads = self.config.resolved_cpu_threads()
+        if threads:
+            torch.set_num_threads(threads)
         engine_config = self.config.engine_config()
         t0 = time.monotonic()
         if self.config.tensor_parallel_size > 1:  # the same Engine; its runner's workers hold the shards (tr_serve/tp)
             from tr_serve.tp.runner import tp_engine
 
             core = await asyncio.to_thread(tp_engine, engine_config.model, engine_config,
-                                           self.config.tensor_parallel_size, cpu_threads=self.config.cpu_threads,
+                                           self.config.tensor_parallel_size, worker_cpus=self.config.worker_cpus,
+                                           step_timeout_s=self.config.step_timeout_s,
                                            init_timeout_s=self.config.init_timeout_s)
             self.tokenizer, self.vocab_size = core.tokenizer, int(core.runner.vocab_size)
         else:

@@ -22,18 +22,23 @@ Messages: each forward is one Ray call per rank plus its reply (``2 N`` per step
 next forward (``length()`` answers from a mirror of the cache lengths kept here, exactly as the
 ranks' caches will have them).
 
-Placement: inside a placement group (a Serve replica deployed with ``placement_group_bundles``) the
-workers take the group's last ``N`` bundles, so ``N + 1`` bundles leave bundle 0 to the replica
-itself; otherwise the runner reserves its own ``STRICT_PACK`` group of ``N`` bundles (``{"CPU": 1}``
-each, or ``{"GPU": 1}`` on CUDA) and removes it on ``shutdown()``. The workers are owned by the
-process that built the runner: when it dies (Serve replacing the replica), they die.
+Placement (the rules: ``tr_serve/tp/placement.py``): inside a placement group (a Serve replica
+deployed with ``placement_group_bundles``) the workers take the group's last ``N`` bundles, so
+``N + 1`` bundles leave bundle 0 to the replica itself; otherwise the runner reserves its own
+``STRICT_PACK`` group of ``N`` bundles (``{"CPU": worker_cpus}`` each, or ``{"GPU": 1, "CPU":
+worker_cpus}`` on CUDA) and removes it on ``shutdown()``. Each worker reserves ``worker_cpus``
+(default: its bundle's CPUs) and runs that many torch threads. On CUDA every worker of a node sees
+the node's GPUs of the group and selects its own by local rank, as vLLM and Ray Train place them;
+NCCL's communicator is created, and warmed up by one all-reduce, during start-up. The workers are
+owned by the process that built the runner: when it dies (Serve replacing the replica), they die.
 
 Failure: a worker that dies, raises or does not answer a call within ``step_timeout_s`` makes the
 call raise ``TPWorkerError``; the runner is then dead (every worker is killed, later calls raise),
 the engine's step raises, ``AsyncEngine`` fails the requests in flight, and ``check_health()``
 (which also pings every worker within ``ping_timeout_s``) raises, so Serve replaces the replica.
-Start-up (placement, loading each rank's shard, the process group, the kernel plan) must finish
-within ``init_timeout_s`` (``init_timeout_s`` in the Serve config).
+Start-up (placement, loading each rank's shard, the process group and its warm-up all-reduce, the
+kernel plan) must finish within ``init_timeout_s``; each forward within ``step_timeout_s`` (both in
+the Serve config).
 """
 
 from __future__ import annotations
@@ -48,6 +53,8 @@ import torch
 
 from tr_serve.engine.config import EngineConfig
 from tr_serve.runner.step_io import NextTokens, PrefillOutput, StepSampling
+from tr_serve.tp.placement import (DEFAULT_INIT_TIMEOUT_S, DEFAULT_STEP_TIMEOUT_S, GPUPlacement, gpu_placements,
+                                   own_group_bundle, worker_resources)
 
 logger = logging.getLogger(__name__)
 
@@ -94,11 +101,14 @@ class TransferStats:
 
 class TPModelRunner:
     def __init__(self, model, config: EngineConfig, tensor_parallel_size: int, *, cpu_threads: int | None = None,
-                 step_timeout_s: float = 60.0, ping_timeout_s: float = 10.0, init_timeout_s: float = 600.0,
+                 worker_cpus: float | None = None, step_timeout_s: float = DEFAULT_STEP_TIMEOUT_S,
+                 ping_timeout_s: float = 10.0, init_timeout_s: float = DEFAULT_INIT_TIMEOUT_S,
                  tag: str | None = None, placement_group=None, measure_bytes: bool = False,
                  sync_audit: bool = False):
         """``model``: a path / hub id / the embedded alias (each worker reads its own slices), or a
-        ``LoadedModel`` (shipped to the workers through the object store; small models, tests)."""
+        ``LoadedModel`` (shipped to the workers through the object store; small models, tests).
+        ``worker_cpus``: CPUs each worker reserves in its bundle (default: the bundle's); ``cpu_threads``:
+        the workers' torch threads (default: from their CPUs)."""
         import ray
         from ray.util.placement_group import get_current_placement_group
         from ray.util.placement_group import placement_group as make_placement_group
@@ -134,11 +144,12 @@ class TPModelRunner:
         self.kernel_plan: TPKernels | None = None
         self.device_name: str | None = None
         self._lens: torch.Tensor | None = None
+        self.gpu_placements: list[GPUPlacement] = []  # per rank, on CUDA
 
         pg = placement_group if placement_group is not None else get_current_placement_group()
         try:
             if pg is None:
-                bundle = {"GPU": 1} if cuda else {"CPU": 1}
+                bundle = own_group_bundle(cuda, worker_cpus)
                 pg = self._own_pg = make_placement_group([dict(bundle) for _ in range(n)], strategy="STRICT_PACK",
                                                          name=f"tr_tp:{self.tag}")
                 try:
@@ -154,26 +165,24 @@ class TPModelRunner:
             worker_cls = ray.remote(TPWorker)
             for rank in range(n):
                 index = first + rank
-                spec = specs[index]
                 shared = self._own_pg is None and index == 0  # the caller lives in bundle 0
-                if cuda:
-                    if spec.get("GPU", 0) < 1:
-                        raise ValueError(f"bundle {index} {spec} has no GPU for tensor-parallel rank {rank}")
-                    num_cpus, num_gpus = 0, 1
-                else:
-                    num_cpus, num_gpus = (0 if shared else min(1, spec.get("CPU", 0))), 0
-                threads = cpu_threads or (max(1, int(spec.get("CPU", 1))) if not cuda else None)
+                res = worker_resources(specs[index], index=index, rank=rank, cuda=cuda, worker_cpus=worker_cpus,
+                                       shared=shared, threads=cpu_threads)
                 name = worker_name(self.tag, rank)
                 self.worker_names.append(name)
                 self.workers.append(worker_cls.options(
                     name=name, max_concurrency=2,  # ping answers while a forward runs
-                    num_cpus=num_cpus, num_gpus=num_gpus, max_restarts=0,
+                    num_cpus=res.num_cpus, num_gpus=res.num_gpus, max_restarts=0,
                     scheduling_strategy=PlacementGroupSchedulingStrategy(
                         placement_group=pg, placement_group_bundle_index=index,
                         placement_group_capture_child_tasks=True),
-                ).remote(rank, n, threads))
-            nodes = self._gather([w.node_id.remote() for w in self.workers], init_timeout_s, "start-up")
-            loopback = len(set(nodes)) == 1
+                ).remote(rank, n, res.threads))
+            where = self._gather([w.placement_info.remote() for w in self.workers], init_timeout_s, "start-up")
+            loopback = len({node for node, _ in where}) == 1
+            if cuda:  # before any CUDA call in the workers: each sees its node's GPUs of the group
+                self.gpu_placements = gpu_placements(where)
+                self._gather([w.place.remote(p) for w, p in zip(self.workers, self.gpu_placements)],
+                             init_timeout_s, "start-up")
             init_method = self._gather([self.workers[0].rendezvous.remote(loopback)], init_timeout_s,
                                        "start-up", ranks=[0])[0]
             shipped = ray.put(model) if not isinstance(model, str) else model
@@ -192,9 +201,11 @@ class TPModelRunner:
         self.dtype: torch.dtype = getattr(torch, info["dtype"])
         self.eos_token_ids: tuple[int, ...] = tuple(info["eos_token_ids"])
         self.model_id: str = info["model_id"]
-        logger.info("tensor parallel x%d (%s, %s init %s): %d heads / %d kv heads per rank; workers %s",
+        logger.info("tensor parallel x%d (%s, %s init %s): %d heads / %d kv heads per rank; workers %s%s",
                     n, info["backend"], "loopback" if loopback else "node ip", init_method,
-                    info["heads_per_rank"], info["kv_heads_per_rank"], self.worker_names)
+                    info["heads_per_rank"], info["kv_heads_per_rank"], self.worker_names,
+                    "".join(f"; rank {r}: CUDA_VISIBLE_DEVICES={p.cuda_visible_devices} local rank {p.local_rank}"
+                            for r, p in enumerate(self.gpu_placements)))
 
     # ---- building the engine -------------------------------------------------------------------
     @property

@@ -9,6 +9,11 @@ made them. Every rank gets the same calls; the shards' partial sums meet in the 
 rank 0 sends its result back. There is no scheduler, matrix, sampler or request here: the
 replica's one ``Engine`` decides everything, so the ranks cannot diverge.
 
+On CUDA the worker is placed before anything touches CUDA (``place``): every worker of a node sees
+the node's GPUs of the group and selects its own (``tr_serve/tp/placement.py`` says why), and
+``setup`` creates the NCCL communicator and runs one warm-up all-reduce, so the first timed forward
+creates nothing.
+
 The class is a plain Python class: ``TPModelRunner`` wraps it with ``ray.remote``; tests can drive
 it directly.
 """
@@ -19,10 +24,12 @@ import contextlib
 import logging
 import os
 import socket
-from datetime import timedelta
 from typing import Any, Callable
 
 import torch
+
+from tr_serve.tp.placement import (DEFAULT_INIT_TIMEOUT_S, WARM_UP_ELEMENTS, GPUPlacement, apply_gpu_placement,
+                                   process_group_options)
 
 logger = logging.getLogger(__name__)
 
@@ -46,25 +53,35 @@ def free_port(host: str) -> int:
 
 
 class TPWorker:
-    """Rank ``rank`` of ``world_size``. Call order: ``rendezvous`` (rank 0 only), ``setup`` on
-    every rank at once (it blocks until all ranks joined), ``allocate`` on every rank, then
-    ``run`` on every rank for each forward the engine asks for."""
+    """Rank ``rank`` of ``world_size``. Call order: ``placement_info`` on every rank, ``place``
+    on every rank (CUDA only), ``rendezvous`` (rank 0 only), ``setup`` on every rank at once (it
+    blocks until all ranks joined), ``allocate`` on every rank, then ``run`` on every rank for
+    each forward the engine asks for."""
 
     def __init__(self, rank: int, world_size: int, cpu_threads: int | None = None):
         self.rank = rank
         self.world_size = world_size
         if cpu_threads:
             torch.set_num_threads(cpu_threads)
+        self.placement: GPUPlacement | None = None
         self.loaded = None
         self.runner = None
         self.audit = None  # a SyncAudit when allocate(sync_audit=True)
         self.sync_counts: list[int] = []  # forced device-to-host syncs per run(), when audited
 
     # ---- start-up -----------------------------------------------------------------------------
-    def node_id(self) -> str:
+    def placement_info(self) -> tuple[str, list[str]]:
+        """(Ray node id, the GPU ids Ray gave this worker): what ``gpu_placements`` maps."""
         import ray
 
-        return ray.get_runtime_context().get_node_id()
+        context = ray.get_runtime_context()
+        return context.get_node_id(), list(context.get_accelerator_ids().get("GPU", []))
+
+    def place(self, placement: GPUPlacement) -> None:
+        """See the node's GPUs of the group (``CUDA_VISIBLE_DEVICES``), before any CUDA call; ``setup``
+        then selects ``placement.local_rank``."""
+        apply_gpu_placement(placement, os.environ, cuda_initialized=torch.cuda.is_initialized())
+        self.placement = placement
 
     def rendezvous(self, loopback: bool) -> str:
         """``tcp://ip:port`` on this node for ``init_process_group`` (rank 0 listens there)."""
@@ -73,19 +90,23 @@ class TPWorker:
         host = "127.0.0.1" if loopback else ray.util.get_node_ip_address()
         return f"tcp://{host}:{free_port(host)}"
 
-    def setup(self, init_method: str, model, config, loopback: bool, timeout_s: float = 600.0) -> dict:
+    def setup(self, init_method: str, model, config, loopback: bool, timeout_s: float = DEFAULT_INIT_TIMEOUT_S) -> dict:
         """Load this rank's shard (``model`` is a path / alias, read slice by slice, or a
-        ``LoadedModel`` shipped whole and sliced here) and join the process group. Returns what
-        the driver needs to know."""
+        ``LoadedModel`` shipped whole and sliced here), join the process group (NCCL: its
+        communicator created here, on this rank's GPU) and run one warm-up all-reduce, all within
+        the driver's start-up timeout. Returns what the driver needs to know."""
         import torch.distributed as dist
 
         from tr_serve.model_loader import LoadedModel, parse_dtype
         from tr_serve.tp.shard import check_shardable, shard_model
 
         cuda = config.device.startswith("cuda")
-        device = "cuda" if cuda else config.device  # Ray gives each worker its GPU as cuda:0
+        local_rank = None
         if cuda:
-            torch.cuda.set_device(0)
+            local_rank = self._select_gpu()
+            device = f"cuda:{local_rank}"
+        else:
+            device = config.device
         sharded = None
         if isinstance(model, LoadedModel):  # shipped whole (small models, tests): sliced below
             loaded = model
@@ -100,8 +121,9 @@ class TPWorker:
             lo = loopback_interface()
             if lo:
                 os.environ.setdefault("GLOO_SOCKET_IFNAME", lo)
-        dist.init_process_group(backend, init_method=init_method, rank=self.rank, world_size=self.world_size,
-                                timeout=timedelta(seconds=timeout_s))
+        dist.init_process_group(**process_group_options(backend, init_method, self.rank, self.world_size, timeout_s,
+                                                        local_rank))
+        self._warm_up(device)
         if sharded is None:
             model_ = shard_model(loaded.model, self.rank, self.world_size)
             model_.to(device)
@@ -118,6 +140,30 @@ class TPWorker:
                 "eos_token_ids": tuple(loaded.eos_token_ids), "model_id": loaded.model_id,
                 "heads_per_rank": cfg.num_attention_heads, "kv_heads_per_rank": cfg.num_key_value_heads,
                 "backend": backend, "dtype": str(dtype).removeprefix("torch.")}
+
+    def _select_gpu(self) -> int:
+        """``torch.cuda.set_device`` to this worker's GPU among the node's visible ones (the first CUDA
+        call of the worker); returns its local rank."""
+        if self.placement is None:
+            raise RuntimeError(f"tensor-parallel rank {self.rank} was not placed on a GPU (TPWorker.place)")
+        visible = torch.cuda.device_count()
+        if visible != self.placement.visible_count:  # e.g. CUDA initialised before place(): the variable was ignored
+            raise RuntimeError(f"tensor-parallel rank {self.rank} sees {visible} GPU(s), CUDA_VISIBLE_DEVICES="
+                               f"{self.placement.cuda_visible_devices} names {self.placement.visible_count}")
+        torch.cuda.set_device(self.placement.local_rank)
+        return self.placement.local_rank
+
+    def _warm_up(self, device: str) -> None:
+        """One small all-reduce, checked: whatever the backend still sets up on a first collective
+        happens here, under the start-up timeout, not in the first timed forward."""
+        import torch.distributed as dist
+
+        ones = torch.ones(WARM_UP_ELEMENTS, device=device)
+        dist.all_reduce(ones)
+        total = float(ones.min()), float(ones.max())  # waits for the collective
+        if total != (self.world_size, self.world_size):
+            raise RuntimeError(f"tensor-parallel rank {self.rank}: warm-up all-reduce of ones over {self.world_size} "
+                               f"ranks gave values in {total}")
 
     def tokenizer(self):
         return self.loaded.tokenizer
