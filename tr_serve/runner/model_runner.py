@@ -152,7 +152,7 @@ class ModelRunner:
             body = body_for(self.model)
             if body is not None or takes_step(self.model):
                 step = StepAttention(self.cache.step_row_list, self.cache.step_start_list, widths or [q] * b, local, q,
-                                     self.dtype, self.device, self.step_backend)
+                                     self.dtype, self.device, self.step_backend, cache_rows=self.cache.num_rows)
                 self.cache.step_whole_buffers = body is None  # transformers' layers read the cache through update()
             else:  # an attention implementation the runner cannot take over: the 4D mask
                 body = None

@@ -21,8 +21,11 @@ Two kernels compute it (:func:`default_backend` picks one):
   :class:`BlockMask` is built directly from the prefix lengths (full blocks: the prefix) and the
   widths (partial blocks: those holding the tree, where a ``mask_mod`` reads the tree mask), so
   blocks past a row's length are never visited; the kernel maps query heads to their key/value
-  head itself. The queries are placed into the span of cache rows the step touches (rows of the
-  span that are not in the step get no blocks), so the keys and values are a view of that span.
+  head itself. The queries are placed into a batch of every cache row (rows not in the step get no
+  blocks and cost next to nothing), so the keys and values are the layer's buffers as they are, and
+  every shape is fixed for the runner's life but the query length, padded to a few buckets: one
+  compiled graph per bucket, no recompiling for the rows or the context a step has (a dynamic batch
+  does not compile on CPU with torch 2.13, and fixed shapes are what CUDA graphs need).
   Without ``torch.compile``, FlexAttention is a slow reference that copies K/V per query head, so
   this kernel is only ever run compiled. The default on CUDA.
 * ``rows``: one ``scaled_dot_product_attention`` per row over a view of that row's ``P + w`` slots,
@@ -93,13 +96,16 @@ class StepAttention:
     the step) and its real query tokens w (the first w of the row's q). local [b or 1, q, q] bool:
     which of the row's new slots each of its queries sees (the tree mask; prefill: causal).
     ``fold``: on the rows kernel, fold query heads into the query axis instead of ``enable_gqa``
-    (default: on any device but CPU)."""
+    (default: on any device but CPU). ``cache_rows``: rows of the KV cache (the flex kernel's batch;
+    default: one past the highest step row)."""
 
     def __init__(self, rows: list[int], starts: list[int], widths: list[int], local: torch.Tensor, q: int,
-                 dtype: torch.dtype, device: torch.device, backend: str = "rows", fold: bool | None = None):
+                 dtype: torch.dtype, device: torch.device, backend: str = "rows", fold: bool | None = None,
+                 cache_rows: int | None = None):
         if backend not in BACKENDS:
             raise ValueError(f"unknown step attention backend {backend!r}")
         self.rows, self.starts, self.widths, self.q = rows, starts, widths, q
+        self.cache_rows = cache_rows if cache_rows is not None else max(rows) + 1
         self.backend = backend
         self.device = torch.device(device)
         self.dtype = dtype
@@ -120,12 +126,16 @@ class StepAttention:
         """query [t, heads, d]: the step's real tokens packed in row order (row i's widths[i] tokens,
         the first of its slots); keys/values [cache rows, kv_heads, max_len, d]: one layer's whole
         cache buffers, this step's entries written. Returns [t, heads, d]."""
-        if self.backend == "flex":
+        if self._use_flex():
             plan = self._flex_plan()
-            span = query.new_zeros(plan.span, query.shape[1], plan.q_len, query.shape[2])
-            span[plan.token_rows, :, plan.token_slots] = query
-            out = plan.run(span, keys, values, scale)
-            return out[plan.token_rows, :, plan.token_slots]
+            placed = query.new_zeros(plan.batch, query.shape[1], plan.q_len, query.shape[2])
+            placed[plan.token_rows, :, plan.token_slots] = query
+            out = plan.run(placed, keys, values, scale)
+            if out is not None:
+                return out[plan.token_rows, :, plan.token_slots]
+        if len(self.rows) == 1:  # one row: its output is the result, no copy
+            row, p, w = self.rows[0], self.starts[0], self.widths[0]
+            return self._row(query.transpose(0, 1)[None], keys, values, 0, row, p, w, scale)[0].transpose(0, 1)
         out = torch.empty_like(query)
         for i, (row, p, w) in enumerate(zip(self.rows, self.starts, self.widths)):
             if w == 0:
@@ -141,12 +151,13 @@ class StepAttention:
         for :meth:`attend_packed`. Returns [b, q, heads, d], transformers' attention output layout;
         padding positions are zeros (their outputs are never read)."""
         b, heads, q, d = query.shape
-        if self.backend == "flex":
+        if self._use_flex():
             plan = self._flex_plan()
-            span = query.new_zeros(plan.span, heads, plan.q_len, d)
-            span[plan.row_offsets, :, :q] = query
-            out = plan.run(span, keys, values, scale)
-            return out[plan.row_offsets, :, :q].transpose(1, 2)
+            placed = query.new_zeros(plan.batch, heads, plan.q_len, d)
+            placed[plan.step_rows, :, :q] = query
+            out = plan.run(placed, keys, values, scale)
+            if out is not None:
+                return out[plan.step_rows, :, :q].transpose(1, 2)
         out = query.new_zeros(b, q, heads, d)
         for i, (row, p, w) in enumerate(zip(self.rows, self.starts, self.widths)):
             if w == 0:
@@ -190,6 +201,9 @@ class StepAttention:
         return self._folded[group][i]
 
     # ---- flex: one compiled FlexAttention per layer ------------------------------------------
+    def _use_flex(self) -> bool:
+        return self.backend == "flex" and flex_failure is None
+
     def _flex_plan(self) -> "_FlexPlan":
         if self._flex is None:
             self._flex = _FlexPlan(self)
@@ -197,47 +211,53 @@ class StepAttention:
 
 
 class _FlexPlan:
-    """The step's BlockMask and query placement over the span of cache rows first .. end - 1."""
+    """The step's BlockMask and query placement over every cache row (the kernel's batch)."""
 
     def __init__(self, step: StepAttention):
         from torch.nn.attention.flex_attention import BlockMask
 
-        device, b, q = step.device, len(step.rows), step.q
-        self.first, end = min(step.rows), max(step.rows) + 1
-        self.span = end - self.first
+        device, q = step.device, step.q
+        self.batch = step.cache_rows
         self.q_len = flex_query_length(q)
-        offsets = [row - self.first for row in step.rows]
-        # the only host-to-device traffic: per row its span offset, prefix and width (and the tree mask)
-        self.row_offsets = torch.tensor(offsets, dtype=torch.long).to(device)
-        self.token_rows = torch.tensor([o for o, w in zip(offsets, step.widths) for _ in range(w)],
+        # the only host-to-device traffic: per row its cache row, prefix and width (and the tree mask)
+        self.step_rows = torch.tensor(step.rows, dtype=torch.long).to(device)
+        self.token_rows = torch.tensor([r for r, w in zip(step.rows, step.widths) for _ in range(w)],
                                        dtype=torch.long).to(device)
         self.token_slots = torch.tensor([j for w in step.widths for j in range(w)], dtype=torch.long).to(device)
-        prefix = torch.zeros(self.span, dtype=torch.int32, device=device)
-        width = torch.zeros(self.span, dtype=torch.int32, device=device)
-        prefix[self.row_offsets] = torch.tensor(step.starts, dtype=torch.int32).to(device)
-        width[self.row_offsets] = torch.tensor(step.widths, dtype=torch.int32).to(device)
+        prefix = torch.zeros(self.batch, dtype=torch.int32, device=device)
+        width = torch.zeros(self.batch, dtype=torch.int32, device=device)
+        prefix[self.step_rows] = torch.tensor(step.starts, dtype=torch.int32).to(device)
+        width[self.step_rows] = torch.tensor(step.widths, dtype=torch.int32).to(device)
         slot = torch.arange(q, device=device)
-        seen = step.local & (slot[None, None, :] < width[self.row_offsets, None, None])  # [b, q, q]
-        tree = torch.zeros(self.span, self.q_len, self.q_len, dtype=torch.bool, device=device)
-        tree[self.row_offsets, :q, :q] = seen
+        seen = step.local & (slot[None, None, :] < width[self.step_rows, None, None])  # [b, q, q]
+        tree = torch.zeros(self.batch, self.q_len, self.q_len, dtype=torch.bool, device=device)
+        tree[self.step_rows, :q, :q] = seen
         self.prefix, self.tree = prefix, tree
         self.block_mask_for = _block_mask_builder(BlockMask, prefix, width, tree, self.q_len)
         self._masks: dict[int, object] = {}
 
-    def run(self, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float) -> torch.Tensor:
-        """query [span, heads, q_len, d]; keys/values [cache rows, kv_heads, max_len, d]."""
-        k, v = keys[self.first : self.first + self.span], values[self.first : self.first + self.span]
+    def run(self, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float) -> torch.Tensor | None:
+        """query [batch, heads, q_len, d]; keys/values [cache rows, kv_heads, max_len, d]. None when
+        FlexAttention does not compile here (recorded in :data:`flex_failure`)."""
+        global flex_failure
+        k, v = keys, values
         kv_len = k.shape[2]
         mask = self._masks.get(kv_len)
         if mask is None:
             mask = self._masks[kv_len] = self.block_mask_for(kv_len)
-        return compiled_flex(query, k, v, mask, scale, query.shape[1] != k.shape[1])
+        try:
+            return compiled_flex(query, k, v, mask, scale, query.shape[1] != k.shape[1])
+        except _compile_errors() as e:  # e.g. no Triton for this GPU: the rows kernel from now on
+            flex_failure = f"{type(e).__name__}: {e}"[:2000]
+            logger.warning("FlexAttention did not compile; step attention falls back to one fused attention "
+                           "per row for this process: %s", flex_failure)
+            return None
 
 
 def _block_mask_builder(block_mask_cls, prefix: torch.Tensor, width: torch.Tensor, tree: torch.Tensor,
                         q_len: int) -> Callable[[int], object]:
-    """BlockMask over keys of length kv_len for rows with ``prefix`` [span] slots seen by every query
-    (full blocks) and ``width`` [span] new slots after them, seen as ``tree`` [span, q_len, q_len]
+    """BlockMask over keys of length kv_len for rows with ``prefix`` [batch] slots seen by every query
+    (full blocks) and ``width`` [batch] new slots after them, seen as ``tree`` [batch, q_len, q_len]
     says (partial blocks: mask_mod decides within them). A row of width 0 gets no blocks."""
 
     def mask_mod(b, h, q_idx, kv_idx):
@@ -248,17 +268,17 @@ def _block_mask_builder(block_mask_cls, prefix: torch.Tensor, width: torch.Tenso
         device = prefix.device
         kv_blocks = -(-kv_len // FLEX_BLOCK)
         q_blocks = -(-q_len // FLEX_BLOCK)
-        span = prefix.shape[0]
+        batch = prefix.shape[0]
         full = (prefix // FLEX_BLOCK).to(torch.int32)  # blocks wholly inside the prefix
         first = prefix // FLEX_BLOCK
         last = (prefix + width - 1).div(FLEX_BLOCK, rounding_mode="floor")
         partial = torch.where(width > 0, last - first + 1, 0).to(torch.int32)
         index = torch.arange(kv_blocks, device=device, dtype=torch.int32)
-        partial_index = (first[:, None] + index[None]).clamp(max=kv_blocks - 1).to(torch.int32)  # [span, kv_blocks]
-        full_index = index[None].expand(span, kv_blocks)
+        partial_index = (first[:, None] + index[None]).clamp(max=kv_blocks - 1).to(torch.int32)  # [batch, kv_blocks]
+        full_index = index[None].expand(batch, kv_blocks)
 
-        def per_q_block(x: torch.Tensor) -> torch.Tensor:  # [span, ...] -> [span, 1, q_blocks, ...]
-            return x[:, None, None].expand(span, 1, q_blocks, *x.shape[1:]).contiguous()
+        def per_q_block(x: torch.Tensor) -> torch.Tensor:  # [batch, ...] -> [batch, 1, q_blocks, ...]
+            return x[:, None, None].expand(batch, 1, q_blocks, *x.shape[1:]).contiguous()
 
         return block_mask_cls.from_kv_blocks(per_q_block(partial), per_q_block(partial_index), per_q_block(full),
                                              per_q_block(full_index), BLOCK_SIZE=(FLEX_BLOCK, FLEX_BLOCK),
@@ -268,19 +288,37 @@ def _block_mask_builder(block_mask_cls, prefix: torch.Tensor, width: torch.Tenso
 
 
 _compiled: Callable | None = None
+# why FlexAttention could not compile in this process (then every step takes the rows kernel), or None
+flex_failure: str | None = None
+
+
+def _compile_errors() -> tuple[type[BaseException], ...]:
+    """The exceptions that mean torch.compile could not build the kernel (not a wrong input)."""
+    errors: list[type[BaseException]] = []
+    try:
+        from torch._dynamo.exc import TorchDynamoException
+
+        errors.append(TorchDynamoException)
+    except ImportError:
+        pass
+    try:
+        from torch._inductor.exc import InductorError
+
+        errors.append(InductorError)
+    except ImportError:
+        pass
+    return tuple(errors) or (RuntimeError,)
 
 
 def compiled_flex(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, block_mask, scale: float,
                   gqa: bool) -> torch.Tensor:
-    """FlexAttention, compiled once per process (a graph per query bucket, dtype and head layout).
-    The span of rows may change every step (a dynamic batch); the query and key lengths do not."""
+    """FlexAttention, compiled once per process: a graph per shape (query bucket, dtype, head layout,
+    cache rows and length), never a dynamic one."""
     global _compiled
     from torch.nn.attention.flex_attention import flex_attention
 
     if _compiled is None:
-        _compiled = torch.compile(flex_attention)
-    for x, dim in ((query, 2), (keys, 2), (values, 2)):
-        torch._dynamo.mark_static(x, dim)
+        _compiled = torch.compile(flex_attention, dynamic=False)
     with torch._dynamo.config.patch(**_recompile_settings()):
         return _compiled(query, keys, values, block_mask=block_mask, scale=scale, enable_gqa=gqa)
 
