@@ -6,9 +6,10 @@ slots at ``P .. P + w - 1`` (this step's tokens, written into the cache before a
 queries see as its tree mask [w, w] says. :class:`StepAttention` attends the step's queries over
 the cache buffers as they are, under those three facts per row:
 
-* grouped-query attention stays grouped: key/value heads are never copied per query head (the
-  copying path, transformers' ``repeat_kv`` under a 4D mask, costs ~1 GB per layer for a
-  Llama-70B shard at 32 rows x 8k context);
+* grouped-query attention stays grouped: key/value heads are never copied per query head
+  (transformers' ``repeat_kv`` under a 4D mask copies every row's K and V once per query head that
+  reads them, in every layer: group x the step's K/V; only with one key/value head per device, as
+  Llama-70B at tp=8, is it a view);
 * each row attends over its own ``P + w`` slots, not the longest row's (a row with a 100-token
   context is not computed over another row's 8k slots);
 * no gather of cache rows (the rows' keys and values are read where they are), and no 4D mask
@@ -33,8 +34,10 @@ Two kernels compute it (:func:`default_backend` picks one):
   heads to key/value heads natively (``enable_gqa``). On CUDA a masked call with ``enable_gqa``
   would fall back to the math kernel, which copies K/V; there the query heads that share a
   key/value head are folded into the query axis instead (``[1, kv_heads, group * w, d]`` against
-  ``[1, kv_heads, P + w, d]``), which needs no copy of K/V. The default on CPU, where compiling
-  costs tens of seconds per query bucket; on CUDA the fallback when FlexAttention cannot compile.
+  ``[1, kv_heads, P + w, d]``), which needs no copy of K/V (its mask repeats each row's [w, P + w]
+  group times, once per step). The default on CPU, where compiling FlexAttention costs seconds to
+  tens of seconds per query bucket and its compiled CPU kernel is slower than this one; on CUDA the
+  fallback when FlexAttention cannot compile (one call per row and layer: launch-bound).
 """
 
 from __future__ import annotations
@@ -58,6 +61,8 @@ FLEX_BLOCK = 128
 # (each is one compilation, tens of seconds; a dynamic query length does not compile on CPU with
 # torch 2.13), and from FLEX_BLOCK on to the next multiple of FLEX_BLOCK.
 FLEX_QUERY_BUCKETS = (16, 32, 64, FLEX_BLOCK)
+# a mask's row stride, in elements, that CUDA's memory-efficient attention takes as it is
+MASK_ALIGN = 8
 # each query bucket, dtype and head layout is one compiled graph; torch's default limit (8) would
 # quietly fall back to the uncompiled, K/V-copying reference once exceeded
 FLEX_RECOMPILE_LIMIT = 64
@@ -118,7 +123,6 @@ class StepAttention:
         self._flex: _FlexPlan | None = None
         self._biases: list[torch.Tensor] | None = None
         self._folded: dict[int, list[torch.Tensor]] = {}
-        self._group: int | None = None
 
     # ---- the two layouts the model gives queries in ------------------------------------------
     def attend_packed(self, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
@@ -188,16 +192,27 @@ class StepAttention:
             low = torch.finfo(self.dtype).min
             self._biases = []
             for j, (p, w) in enumerate(zip(self.starts, self.widths)):
-                bias = torch.zeros(w, p + w, dtype=self.dtype, device=self.device)
+                bias = self._aligned(w, p + w)
                 bias[:, p:].masked_fill_(~self.local[j, :w, :w], low)
                 self._biases.append(bias)
         return self._biases[i]
+
+    def _aligned(self, rows: int, cols: int) -> torch.Tensor:
+        """zeros [rows, cols], a view of a buffer whose rows start every MASK_ALIGN elements: CUDA's
+        memory-efficient kernel copies a mask with any other stride into a padded one, per call."""
+        return torch.zeros(rows, -(-cols // MASK_ALIGN) * MASK_ALIGN, dtype=self.dtype, device=self.device)[:, :cols]
 
     def _folded_bias(self, i: int, group: int) -> torch.Tensor:
         """Row i's mask for the folded queries [group * w, P + w]: row g * w + j is query j's."""
         if group not in self._folded:
             self._bias(0)
-            self._folded[group] = [bias.repeat(group, 1) for bias in self._biases]
+            folded = []
+            for bias in self._biases:
+                w, cols = bias.shape
+                out = self._aligned(group * w, cols)
+                out.view(group, w, cols).copy_(bias)  # each query head of the group: the row's mask
+                folded.append(out)
+            self._folded[group] = folded
         return self._folded[group][i]
 
     # ---- flex: one compiled FlexAttention per layer ------------------------------------------
@@ -219,15 +234,19 @@ class _FlexPlan:
         device, q = step.device, step.q
         self.batch = step.cache_rows
         self.q_len = flex_query_length(q)
-        # the only host-to-device traffic: per row its cache row, prefix and width (and the tree mask)
-        self.step_rows = torch.tensor(step.rows, dtype=torch.long).to(device)
-        self.token_rows = torch.tensor([r for r, w in zip(step.rows, step.widths) for _ in range(w)],
-                                       dtype=torch.long).to(device)
-        self.token_slots = torch.tensor([j for w in step.widths for j in range(w)], dtype=torch.long).to(device)
+        # the only host-to-device traffic (one copy; the tree mask is already there): per row its cache
+        # row, prefix and width, per real token its cache row and place in the row
+        b, t = len(step.rows), sum(step.widths)
+        host = torch.tensor(step.rows + step.starts + step.widths
+                            + [r for r, w in zip(step.rows, step.widths) for _ in range(w)]
+                            + [j for w in step.widths for j in range(w)], dtype=torch.long)
+        meta = host.to(device)
+        self.step_rows, starts, widths = meta[:b], meta[b : 2 * b], meta[2 * b : 3 * b]
+        self.token_rows, self.token_slots = meta[3 * b : 3 * b + t], meta[3 * b + t :]
         prefix = torch.zeros(self.batch, dtype=torch.int32, device=device)
         width = torch.zeros(self.batch, dtype=torch.int32, device=device)
-        prefix[self.step_rows] = torch.tensor(step.starts, dtype=torch.int32).to(device)
-        width[self.step_rows] = torch.tensor(step.widths, dtype=torch.int32).to(device)
+        prefix[self.step_rows] = starts.to(torch.int32)
+        width[self.step_rows] = widths.to(torch.int32)
         slot = torch.arange(q, device=device)
         seen = step.local & (slot[None, None, :] < width[self.step_rows, None, None])  # [b, q, q]
         tree = torch.zeros(self.batch, self.q_len, self.q_len, dtype=torch.bool, device=device)
