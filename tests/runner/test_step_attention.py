@@ -327,3 +327,29 @@ def test_bfloat16_runner_takes_the_step_attention(monkeypatch):
         want = steps(ModelRunner(model, 6, 320))
     for a, b in zip(got, want):
         assert torch.allclose(a, b, rtol=0, atol=0.1)
+
+
+def test_a_layer_that_attends_elsewhere_is_refused(monkeypatch):
+    """transformers' forward with the step: every layer must come to the step attention (the cache
+    hands out its whole buffers and the model gets no mask, so any other attention would be wrong)."""
+    model = tiny("qwen2", 4, 2)
+    runner = runner_for(model, "rows", mp=monkeypatch)
+    attn = model.model.layers[1].self_attn
+    monkeypatch.setattr(attn, "forward", lambda hidden_states, *a, **k: (torch.zeros_like(hidden_states), None))
+    with pytest.raises(RuntimeError, match="1 of 2 layers attended"):
+        prefill(runner)
+
+
+def test_rows_masks_are_per_row_small_and_aligned():
+    """The rows kernel's masks: one per row, [w, P + w] (the folded one [group * w, P + w]), built
+    once per step, at a row stride CUDA's memory-efficient kernel takes without a padded copy."""
+    starts, widths = [250, 3, 127], [4, 2, 3]
+    step = StepAttention(ROWS, starts, widths, TREES, 4, torch.float32, torch.device("cpu"), fold=True)
+    for i, (p, w) in enumerate(zip(starts, widths)):
+        bias, folded = step._bias(i), step._folded_bias(i, 3)
+        assert bias.shape == (w, p + w) and folded.shape == (3 * w, p + w)
+        assert bias.stride(0) % step_attention.MASK_ALIGN == 0 and folded.stride(0) % step_attention.MASK_ALIGN == 0
+        assert torch.equal(folded.view(3, w, p + w), bias.expand(3, w, p + w))
+        assert not bias[:, :p].any()  # the prefix: all seen
+        assert torch.equal(bias[:, p:] == 0, TREES[i, :w, :w])
+    assert step._bias(1) is step._bias(1)

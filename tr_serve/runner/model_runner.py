@@ -166,6 +166,10 @@ class ModelRunner:
                 input_ids=tokens.to(self.device), attention_mask=mask, position_ids=positions,
                 cache=self.cache, use_cache=True,
             )
+        if step is not None and step.calls != len(self.cache.layers):
+            # a layer attended elsewhere, over the whole cache buffers and without a mask: wrong
+            raise RuntimeError(f"{type(self.model).__name__}: {step.calls} of {len(self.cache.layers)} layers attended "
+                               "through transformers' attention interface; the runner cannot serve it on this path")
         hidden = out.last_hidden_state.reshape(b * q, -1)
         return hidden if index is None else hidden[index]
 

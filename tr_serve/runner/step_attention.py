@@ -123,6 +123,7 @@ class StepAttention:
         self._flex: _FlexPlan | None = None
         self._biases: list[torch.Tensor] | None = None
         self._folded: dict[int, list[torch.Tensor]] = {}
+        self.calls = 0  # attention calls so far (one per layer): the runner checks every layer came here
 
     # ---- the two layouts the model gives queries in ------------------------------------------
     def attend_packed(self, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
@@ -130,6 +131,7 @@ class StepAttention:
         """query [t, heads, d]: the step's real tokens packed in row order (row i's widths[i] tokens,
         the first of its slots); keys/values [cache rows, kv_heads, max_len, d]: one layer's whole
         cache buffers, this step's entries written. Returns [t, heads, d]."""
+        self.calls += 1
         if self._use_flex():
             plan = self._flex_plan()
             placed = query.new_zeros(plan.batch, query.shape[1], plan.q_len, query.shape[2])
@@ -155,6 +157,7 @@ class StepAttention:
         for :meth:`attend_packed`. Returns [b, q, heads, d], transformers' attention output layout;
         padding positions are zeros (their outputs are never read)."""
         b, heads, q, d = query.shape
+        self.calls += 1
         if self._use_flex():
             plan = self._flex_plan()
             placed = query.new_zeros(plan.batch, heads, plan.q_len, d)
