@@ -2,8 +2,9 @@
 
 Every sequence owns one row of a ``[rows, kv_heads, max_len, head_dim]`` buffer per layer and a
 length ``lens[row]``. A forward over ``q`` new tokens of the rows in a step writes them at slots
-``lens[row] .. lens[row] + q - 1``; the caller's 4D mask decides what each query sees, so rows of
-different lengths share one forward without left padding. After verification, :meth:`compact`
+``lens[row] .. lens[row] + q - 1``; the caller's 4D mask (or, without it, runner/step_attention.py
+from each row's length and tree mask) decides what each query sees, so rows of different lengths
+share one forward without left padding. After verification, :meth:`compact`
 moves the accepted tree nodes' entries next to the prefix, which makes the cache equal to the one
 plain decoding would have built.
 """
