@@ -107,3 +107,24 @@ def test_lossless_cold_matrix(loaded, bench_prompts, references, tree):
         out = llm.generate([ids], params)[0]
         check(out, want, f"tree {tree}, cold matrix, {cat} q{qid}")
 
+
+
+@pytest.mark.parametrize("tree,rows", [("2.2.2", 1), ("auto", NUM_PROMPTS)])
+def test_lossless_step_attention(loaded, bench_prompts, references, tree, rows, monkeypatch):
+    """Without the native CPU kernels (``cpu_kernels: torch``) the runner attends as on a GPU
+    (runner/step_attention.py: each row over its own slots, key/value heads never copied): one
+    request at a time (the first prompts), and every prompt at once (rows of different contexts and
+    tree widths in one step, prefill chunks beside verifies, rows out of cache order)."""
+    from tr_serve.runner.step_attention import StepAttention
+
+    calls = []
+    attend = StepAttention.attend_packed
+    monkeypatch.setattr(StepAttention, "attend_packed", lambda self, *a: (calls.append(len(self.rows)), attend(self, *a))[1])
+    llm = LLM(tree=tree, loaded=loaded, max_num_seqs=rows, cpu_kernels="torch", max_prefill_tokens=96)
+    runner = llm.engine.runner
+    assert not runner.tree_attention and runner.step_backend == "rows"
+    chosen = list(zip(bench_prompts, references))[: NUM_COLD if rows == 1 else None]
+    outs = llm.generate([ids for (_, _, ids), _ in chosen], SamplingParams(max_tokens=NEW_TOKENS))
+    for ((cat, qid, _), want), out in zip(chosen, outs):
+        check(out, want, f"tree {tree}, step attention, {rows} rows, {cat} q{qid}")
+    assert calls and max(calls) == rows  # the step attention ran, with every row in one step when batched

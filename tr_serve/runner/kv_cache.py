@@ -2,8 +2,9 @@
 
 Every sequence owns one row of a ``[rows, kv_heads, max_len, head_dim]`` buffer per layer and a
 length ``lens[row]``. A forward over ``q`` new tokens of the rows in a step writes them at slots
-``lens[row] .. lens[row] + q - 1``; the caller's 4D mask decides what each query sees, so rows of
-different lengths share one forward without left padding. After verification, :meth:`compact`
+``lens[row] .. lens[row] + q - 1``; the caller's 4D mask (or, without it, runner/step_attention.py
+from each row's length and tree mask) decides what each query sees, so rows of different lengths
+share one forward without left padding. After verification, :meth:`compact`
 moves the accepted tree nodes' entries next to the prefix, which makes the cache equal to the one
 plain decoding would have built.
 """
@@ -48,6 +49,8 @@ class SlotLayer(CacheLayerMixin):
         # key_states: [b, kv_heads, q, head_dim] for the step's rows, in step order
         self.write(key_states, value_states)
         o = self.owner
+        if o.step_whole_buffers:  # the step's attention reads each row's own slots (runner/step_attention.py)
+            return self.keys, self.values
         if o.step_row_range is not None:  # consecutive rows: a view of the buffers, no gather
             first, end = o.step_row_range
             return self.keys[first:end, :, : o.step_kv_len], self.values[first:end, :, : o.step_kv_len]
@@ -128,7 +131,20 @@ class SlotKVCache(Cache):
         self.step_runs = _runs(self._step_row_list)
         one_run = self.step_runs is not None and len(self.step_runs) == 1
         self.step_row_range = self.step_runs[0][2:] if one_run else None  # consecutive rows: a view
+        # set by the runner when the step's attention is runner/step_attention.py: update() then returns
+        # the layer's whole buffers (no slice, no gather), which that attention reads row by row
+        self.step_whole_buffers = False
         return starts
+
+    @property
+    def step_row_list(self) -> list[int]:
+        """The step's cache rows, in step order."""
+        return self._step_row_list
+
+    @property
+    def step_start_list(self) -> list[int]:
+        """The step's rows' lengths before the step (where their new slots start), in step order."""
+        return self._step_starts
 
     def plan_segments(self, widths: list[int]) -> list[Segment] | None:
         """Split the step's rows (``widths[i]`` real tokens each, the first of its row's slots) into
@@ -152,11 +168,16 @@ class SlotKVCache(Cache):
                 out.append(Segment(i, j, r0 + i - b0, r0 + j - b0, w, p, p + (j - i) * w))
                 p += (j - i) * w
                 i = j
+        self.plan_packed(widths)
+        return out
+
+    def plan_packed(self, widths: list[int]) -> None:
+        """Index the step's real slots for :meth:`SlotLayer.write_packed`: step row i's first
+        ``widths[i]`` tokens, packed in row order, in any order of rows."""
         self._packed_widths = widths
         self.step_packed_rows = self.step_packed_slots = None
         if self.step_single is None:
             self.packed_targets()
-        return out
 
     def packed_targets(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(cache row, slot) of each of the step's real tokens, packed in row order, as planned by

@@ -9,8 +9,9 @@ plumbing, deprecation and output-capture decorators, the attention-interface loo
 preparation) cost about 2 ms of a 40 ms SmolLM2-135M forward on one thread (measured: 40.1 -> 38.0
 ms for 1 token, 61.8 -> 59.7 ms for 16), at every forward, whatever the token count.
 
-Only plain Llama models on CPU take this path (:func:`body_for`); any other architecture, device,
-attention implementation or a model in training mode runs transformers' own forward. Where the
+Only plain Llama models take this path (:func:`body_for`), on CPU, and on any other device with the
+runner's step attention (:mod:`tr_serve.runner.step_attention`); any other architecture, attention
+implementation or a model in training mode runs transformers' own forward. Where the
 native kernels take the whole step (tree attention, every linear on the panel GEMM), the layers'
 loop itself runs in C (:mod:`tr_serve.runner.layer_driver`), with the same results.
 """
@@ -26,6 +27,7 @@ import torch.nn.functional as F
 
 from tr_serve.model_shape import attention_shape
 from tr_serve.runner import cpu_kernels, layer_driver, layer_ops, tree_attention
+from tr_serve.runner.step_attention import StepAttention
 
 _ATTENTION = ("sdpa", "tr_serve_sdpa")  # the implementations whose arithmetic the body reproduces
 _TRANSFORMERS_FORWARD = "_tr_transformers_forward"  # set on a model by use_transformers_forward
@@ -57,9 +59,8 @@ def _signature(model) -> tuple:
 
 
 def _build(model) -> Callable | None:
-    if (type(model).__name__ != "LlamaForCausalLM" or model.training or _signature(model)[1] != "cpu"
-            or _signature(model)[3]):
-        return None  # on GPUs transformers picks sdpa backends by mask and head layout: left to it
+    if type(model).__name__ != "LlamaForCausalLM" or model.training or _signature(model)[3]:
+        return None  # marked to run transformers' own forward (use_transformers_forward)
     inner = getattr(model, "model", None)
     config = model.config
     if inner is None or getattr(config, "_attn_implementation", None) not in _ATTENTION:
@@ -76,7 +77,8 @@ def _build(model) -> Callable | None:
 
     def body(input_ids: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor | None, cache,
              real: torch.Tensor | None = None, widths: list[int] | None = None,
-             queries: tree_attention.StepQueries | None = None, native: bool = False) -> torch.Tensor:
+             queries: tree_attention.StepQueries | None = None, native: bool = False,
+             step: StepAttention | None = None) -> torch.Tensor:
         """real: indices of the real tokens in the flattened [b * s] batch (None: all); widths:
         real tokens per row, the first of each row (None: s each). The linear layers run over the
         real tokens only (rows packed). On the slot cache with ascending rows, attention runs per
@@ -85,15 +87,18 @@ def _build(model) -> Callable | None:
         in one call per layer (then ``mask`` is not needed); otherwise over the padded [b, heads,
         s, d] layout. ``native``: on the packed layout, the layers' norms, rotary embedding, cache
         writes and gated activation run through :mod:`tr_serve.runner.layer_ops` (the caller
-        checks :func:`supports_layer_ops`). Returns the real tokens' hidden states, packed in row
-        order: [t, hidden]."""
+        checks :func:`supports_layer_ops`). Given ``step`` (then ``mask`` is None), every layer writes
+        the packed tokens' keys and values into the cache, in any order of rows, and attends
+        through it. Returns the real tokens' hidden states, packed in row order: [t, hidden]."""
         h = inner.embed_tokens(input_ids)
         cos, sin = inner.rotary_emb(h, position_ids)
         b, s = input_ids.shape
         segments = None
-        if hasattr(cache, "plan_segments"):
+        if step is not None:
+            cache.plan_packed(widths if widths is not None else [s] * b)
+        elif hasattr(cache, "plan_segments"):
             segments = cache.plan_segments(widths if widths is not None else [s] * b)
-        if real is not None or segments is not None:  # pack: [1, t, ...]
+        if real is not None or segments is not None or step is not None:  # pack: [1, t, ...]
             flat = (lambda y: y.reshape(b * s, -1)[real][None]) if real is not None else (lambda y: y.reshape(1, b * s, -1))
             h = flat(h)
             cos, sin = flat(cos.expand(b, s, -1)), flat(sin.expand(b, s, -1))
@@ -112,7 +117,11 @@ def _build(model) -> Callable | None:
             k = attn.k_proj(x).view(shape).transpose(1, 2)
             v = attn.v_proj(x).view(shape).transpose(1, 2)
             q, k = rotary(q, k, cos, sin)
-            if segments is not None and queries is not None:
+            if step is not None:
+                slot = cache.layers[i]
+                slot.write_packed(k[0].transpose(0, 1), v[0].transpose(0, 1))
+                o = step.attend_packed(q[0].transpose(0, 1), slot.keys, slot.values, attn.scaling).reshape(1, t, -1)
+            elif segments is not None and queries is not None:
                 slot = cache.layers[i]
                 slot.write_packed(k[0].transpose(0, 1), v[0].transpose(0, 1))
                 o = tree_attention.attend(q[0].transpose(0, 1), slot.keys, slot.values, queries, attn.scaling)[None]

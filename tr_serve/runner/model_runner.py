@@ -12,7 +12,7 @@ import numpy as np
 import torch
 
 from tr_serve.model_shape import attention_shape
-from tr_serve.runner.attention import runner_attention
+from tr_serve.runner.attention import runner_attention, takes_step
 from tr_serve.runner import layer_ops, tree_attention
 from tr_serve.runner.cpu_kernels import KernelPlan
 from tr_serve.runner.hf_compat import cache_kwargs
@@ -20,6 +20,7 @@ from tr_serve.runner.kv_cache import SlotKVCache
 from tr_serve.runner.llama_body import body_for, supports_layer_ops
 from tr_serve.runner.next_tokens import next_token_ids, on_host, top_ids, unpack
 from tr_serve.runner.step_io import NextTokens, PrefillOutput, StepSampling
+from tr_serve.runner.step_attention import StepAttention, default_backend
 
 
 def build_step_mask(starts: torch.Tensor, local: torch.Tensor, kv_len: int, dtype: torch.dtype,
@@ -43,13 +44,12 @@ def build_step_mask(starts: torch.Tensor, local: torch.Tensor, kv_len: int, dtyp
     return mask
 
 
-def real_positions(lengths: torch.Tensor | None, q: int, device: torch.device) -> torch.Tensor | None:
-    """[sum(lengths)] int64 on ``device``: the flat indices of the first lengths[r] tokens of each
-    row of width ``q`` (computed on the host, so selecting them never waits for the device); None
-    when no row is padded (nothing to pack)."""
+def real_positions(lengths: torch.Tensor | None, q: int) -> torch.Tensor | None:
+    """[b * q] bool on the host: the first lengths[r] tokens of each row of width ``q``; None when
+    no row is padded (nothing to pack)."""
     if lengths is None or not bool((lengths < q).any()):
         return None
-    return (torch.arange(q)[None, :] < lengths[:, None]).flatten().nonzero().flatten().to(device)
+    return (torch.arange(q)[None, :] < lengths.cpu()[:, None]).flatten()
 
 
 def kv_bytes_per_row(config, max_len: int, dtype: torch.dtype) -> int:
@@ -123,6 +123,8 @@ class ModelRunner:
                                and tree_attention.available())
         # with it, each layer's norms, rotary embedding, cache writes and activation in native calls
         self.layer_ops = self.tree_attention and supports_layer_ops(model) and layer_ops.available()
+        # without it (CUDA, bfloat16/float16, cpu_kernels "torch"): runner/step_attention.py's kernel
+        self.step_backend = default_backend(self.device)
 
     def length(self, row: int) -> int:
         return int(self.cache.lens[row])
@@ -137,34 +139,52 @@ class ModelRunner:
         hidden] when ``lengths`` is None), for ``tokens`` [b, q] at positions lens[row] + depths
         [b or 1, q]; lengths [b]: real tokens per row, the first of each row (padding after them).
 
-        Where the model's body runs here (plain Llama on CPU), the linear layers see only the real
-        tokens and attention runs per segment of rows of one width (padded layout only for rows
-        out of cache order). Elsewhere every position is computed and the real ones are kept.
+        Where the model's body runs here (plain Llama), the linear layers see only the real tokens.
+        With the native CPU tree attention, attention runs there or per segment of rows of one
+        width under the 4D mask (padded layout only for rows out of cache order); in every other
+        runner (CUDA, bfloat16/float16, ``cpu_kernels: torch``) it is :mod:`.step_attention`'s: each
+        row over its own slots, no 4D mask, no copies of the cache. Where transformers' forward
+        runs, every position is computed and the real ones are kept.
         ``verifying``: a verify step, whose rows of several widths the native tree attention takes
         wider than a prefill's (``tree_attention.takes``)."""
         b, q = tokens.shape
-        real = real_positions(lengths, q, self.device)
+        real = real_positions(lengths, q)
         starts = self.cache.begin_step(rows, q)
         positions = (starts[:, None] + depths).to(self.device)
-        body = body_for(self.model)  # plain Llama: its layers without transformers' wrappers, same arithmetic
         widths = lengths.tolist() if lengths is not None else None  # real tokens per row
-        queries = None
-        if body is not None and self.tree_attention and self.cache.step_runs is not None:  # rows ascending
-            c_loop = (q > tree_attention.MAX_WIDTH and self.layer_ops
-                      and body.c_loop_takes(self.kernel_plan, self.cache, sum(widths) if widths else b * q))
-            if tree_attention.takes(b, q, verify=verifying, c_loop=c_loop):
-                queries = tree_attention.step_queries(rows.tolist(), starts.tolist(), widths or [q] * b, local)
-        mask = None if queries is not None else build_step_mask(starts, local, self.cache.step_kv_len, self.dtype,
-                                                                self.device)
-        with self._kernels(), runner_attention(self.model):
+        queries = mask = step = None
+        if self.tree_attention:  # the native CPU path: tree attention, else torch's under the 4D mask
+            body = body_for(self.model)  # plain Llama: its layers without transformers' wrappers, same arithmetic
+            if body is not None and self.cache.step_runs is not None:  # rows ascending
+                c_loop = (q > tree_attention.MAX_WIDTH and self.layer_ops
+                          and body.c_loop_takes(self.kernel_plan, self.cache, sum(widths) if widths else b * q))
+                if tree_attention.takes(b, q, verify=verifying, c_loop=c_loop):
+                    queries = tree_attention.step_queries(rows.tolist(), starts.tolist(), widths or [q] * b, local)
+            if queries is None:
+                mask = build_step_mask(starts, local, self.cache.step_kv_len, self.dtype, self.device)
+        else:  # every other runner: each row over its own slots, no 4D mask, no K/V copies
+            body = body_for(self.model)
+            if body is not None or takes_step(self.model):
+                step = StepAttention(self.cache.step_row_list, self.cache.step_start_list, widths or [q] * b, local, q,
+                                     self.dtype, self.device, self.step_backend, cache_rows=self.cache.num_rows)
+                self.cache.step_whole_buffers = body is None  # transformers' layers read the cache through update()
+            else:  # an attention implementation the runner cannot take over: the 4D mask
+                body = None
+                mask = build_step_mask(starts, local, self.cache.step_kv_len, self.dtype, self.device)
+        index = real.nonzero().flatten().to(self.device) if real is not None else None  # on the host: no sync
+        with self._kernels(), runner_attention(self.model, step):
             if body is not None:
-                return body(tokens.to(self.device), positions, mask, self.cache, real, widths, queries,
-                            native=self.layer_ops)
+                return body(tokens.to(self.device), positions, mask, self.cache, index, widths, queries,
+                            native=self.layer_ops, step=step)
             decoder = self.model.model
             out = decoder(input_ids=tokens.to(self.device), attention_mask=mask, position_ids=positions,
                           use_cache=True, **cache_kwargs(decoder, self.cache))
+        if step is not None and step.calls != len(self.cache.layers):
+            # a layer attended elsewhere, over the whole cache buffers and without a mask: wrong
+            raise RuntimeError(f"{type(self.model).__name__}: {step.calls} of {len(self.cache.layers)} layers attended "
+                               "through transformers' attention interface; the runner cannot serve it on this path")
         hidden = out.last_hidden_state.reshape(b * q, -1)
-        return hidden if real is None else hidden.index_select(0, real)
+        return hidden if index is None else hidden.index_select(0, index)
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
