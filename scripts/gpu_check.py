@@ -632,6 +632,14 @@ def engine_section(rep: Report, sec: dict, loaded, device: torch.device, dtype_n
                     f"{name.split()[0]} {e['step_ms']} ms/step, {_mb(e['bytes_per_verify'])} back/step"
                     for name, e in level.items() if name.endswith(mode)), flush=True)
     sec["kernels"] = dict(sorted(kernels.items()))
+    from tr_serve.runner import step_attention
+
+    # which step attention the runners used, and whether FlexAttention failed to compile (a fallback
+    # to one fused attention per row is correct but not the kernel the GPU should run)
+    sec["step_attention"] = {"backend": step_attention.default_backend(device),
+                             "flex_failure": step_attention.flex_failure}
+    rep.check(sec, "FlexAttention compiled where chosen", step_attention.flex_failure is None,
+              sec["step_attention"], gating=False)
     widest = [e for name, e in sec["levels"].get(str(max(args.concurrency)), {}).items() if name.startswith("tr:")]
     if widest:
         most = max(widest, key=lambda e: e["bytes_per_verify"] or 0)
