@@ -26,12 +26,13 @@ from typing import Callable, Sequence
 
 import torch
 
-from tr_serve.tr.budget import AcceptanceStats, StepLatency, TreeBudget, observe_template
+from tr_serve.tr.budget import AcceptanceStats, StepLatency, SuffixStats, TreeBudget, observe_template
 from tr_serve.tr.context_index import ContextIndex
 from tr_serve.tr.draft import DraftBatch, build_draft
 from tr_serve.tr.matrix import EMPTY, AdjacencyMatrix
 from tr_serve.tr.pair_table import PairTable
 from tr_serve.tr.proposer import propose
+from tr_serve.tr.suffix_index import SuffixDraft, SuffixIndex
 from tr_serve.tr.tree import CompiledTree, compile_tree
 from tr_serve.tr.tree_spec import TreeSpec
 from tr_serve.tr.verifier import Acceptance
@@ -67,6 +68,11 @@ TABLE_CHAIN_MATCH = 1
 # warm-up questions, two runs each): 8 rows 384-386 -> 373-375 decode steps (2 -> 1: 377-385), 4 and
 # 1 rows level (658 -> 659-662 and 2047 -> 2048 steps)
 CONFIDENT_STREAK = 1
+# A row's branch is the context's (or the recycled tables' chain) or the suffix index's, whichever
+# is worth more: the most of sum(p_j - BRANCH_PRICE) over the branch's prefixes, p_j its path rates.
+# The price stands for a query token's cost in accepted tokens (on one row of this CPU a token
+# adds about 4% to a step that emits about 2 tokens); the budget then sizes the chosen branch.
+BRANCH_PRICE = 0.1
 NODE_CANDIDATES = (0, 1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 80)
 CHAIN_CAPS = (0, 1, 2, 4, 8, 16)
 EXPLORE_EVERY = 16  # every 16th step verifies the runner-up plan, to keep its latency measured
@@ -74,18 +80,31 @@ REORDER_EVERY = 64  # steps between re-rankings of the template nodes by estimat
 _PLAIN = compile_tree([], name="none")
 
 
+def _branch_value(rates: list[float]) -> float:
+    """The most of ``sum(p_j - BRANCH_PRICE)`` over the prefixes of a branch of path rates ``rates``."""
+    best = total = 0.0
+    for p in rates:
+        total += p - BRANCH_PRICE
+        best = max(best, total)
+    return best
+
+
 class Drafter:
     """Builds each step's draft batch: the template drafted from the matrix, each row's context
     branch, and, under ``auto``, the per-row plan of the :class:`TreeBudget`."""
 
     def __init__(self, spec: TreeSpec, template: CompiledTree | None, matrix: AdjacencyMatrix,
-                 latency: StepLatency | None = None, pairs: PairTable | None = None):
+                 latency: StepLatency | None = None, pairs: PairTable | None = None,
+                 suffix: SuffixIndex | None = None):
         if spec.auto_budget and (template is None or latency is None):
             raise ValueError("the cost-aware budget needs a template and a latency table")
+        if suffix is not None and not (spec.auto_budget and spec.context):
+            raise ValueError("the suffix index drafts a branch the cost-aware budget prices: it needs 'auto'")
         self.spec = spec
         self.template = template
         self.matrix = matrix
         self.pairs = pairs  # second-order rows keyed by (token before, token), or None (tr/pair_table.py)
+        self.suffix = suffix  # the replica's cross-request suffix index, or None (tr/suffix_index.py)
         self.context = (PLD_CONTEXT if template is None else HYBRID_CONTEXT) if spec.context else None
         self.budget: TreeBudget | None = None
         if spec.auto_budget:
@@ -126,10 +145,12 @@ class Drafter:
 
     # ---- drafting ------------------------------------------------------------------------------
     def draft(self, roots: torch.Tensor, contexts: list[ContextIndex] | None = None,
-              room: list[int] | None = None, before: torch.Tensor | None = None) -> DraftBatch:
+              room: list[int] | None = None, before: torch.Tensor | None = None,
+              documents: list[int | None] | None = None) -> DraftBatch:
         """roots [b]: each row's last accepted token (the last token of its context, if any).
         room[r]: how many tokens row r may still emit (a branch never drafts past it).
-        before [b]: the token before each root (-1: none), for the pair table's rows."""
+        before [b]: the token before each root (-1: none), for the pair table's rows.
+        documents[r]: row r's document in the suffix index (its text so far), None: none."""
         pairs = self.pairs if before is not None else None
         b = roots.shape[0]
         chains: list[list[int]] = [[] for _ in range(b)]
@@ -158,10 +179,17 @@ class Drafter:
                         chains[r], matches[r] = chain, TABLE_CHAIN_MATCH
         n = self.template.num_nodes if self.template is not None else 0
         cap = self.context.max_tokens if self.context is not None else 0
-        agreements = self._agreements(roots.tolist(), chains) if self.budget is not None else None
+        found = None
+        if self.suffix is not None and documents is not None:
+            found = [self.suffix.lookup(doc, caps[r]) if doc is not None else None for r, doc in enumerate(documents)]
+        cells = None
+        if found is not None and any(found):
+            agreements, cells = self._prefer_suffix(roots.tolist(), chains, matches, found)
+        else:
+            agreements = self._agreements(roots.tolist(), chains) if self.budget is not None else None
         if lean:
             t0 = time.perf_counter()
-            plans = self.budget.plan_branches(chains, matches, agreements)
+            plans = self.budget.plan_branches(chains, matches, agreements, cells)
             full = roots[:, None]  # no template drafted: the root alone
             self.budget.observe_host(False, time.perf_counter() - t0)
         elif self.budget is not None:  # the plan first: the template is then drafted only as deep as it is used
@@ -169,7 +197,7 @@ class Drafter:
             root_list = roots.tolist()
             before_list = before.tolist() if pairs is not None else [EMPTY] * b
             successors = self._successors([[before_list[r], root_list[r], *c[:-1]] for r, c in enumerate(chains) if c])
-            plans = self.budget.plan(root_list, successors, chains, matches, before_list, agreements)
+            plans = self.budget.plan(root_list, successors, chains, matches, before_list, agreements, cells)
             full = propose(self.matrix, roots, self.template, self.budget.draft_depth(max(p[0] for p in plans)),
                            pairs, before)
             self.budget.observe_host(True, time.perf_counter() - t0)
@@ -181,8 +209,30 @@ class Drafter:
         tree, nodes = self._subtree(max(row_nodes))
         template_tokens = full[:, torch.cat([torch.zeros(1, dtype=torch.long), nodes])]
         batch = build_draft(template_tokens, tree, nodes, chains, matches, row_nodes, [p[1] for p in plans],
-                            agreements)
+                            agreements, cells)
         return replace(batch, template_draft=full, before_roots=before if pairs is not None else None)
+
+    def _prefer_suffix(self, roots: list[int], chains: list[list[int]], matches: list[int],
+                       found: list[SuffixDraft | None]) -> tuple[list[list[bool]], list[list[int] | None]]:
+        """Per row, the suffix index's branch in place of the row's own (``chains[r]``, replaced in
+        place with ``matches[r]``) where it is worth more (:data:`BRANCH_PRICE`) under the budget's
+        estimates; returns every row's agreements and, per row that took the suffix branch, its
+        tokens' SuffixStats cells (None elsewhere). One gather for both kinds of branch."""
+        b = len(chains)
+        drafted = [d.tokens if d is not None else [] for d in found]
+        agreed = self._agreements(roots + roots, chains + drafted)
+        agreements: list[list[bool]] = agreed[:b]
+        cells: list[list[int] | None] = [None] * b
+        for r, d in enumerate(found):
+            if d is None:
+                continue
+            own = agreed[b + r]
+            row_cells = [SuffixStats.cell(d.match, c, s, a) for c, s, a in zip(d.counts, d.support, own)]
+            theirs = self.budget.branch_rates(d.tokens, d.match, own, row_cells)
+            mine = self.budget.branch_rates(chains[r], matches[r], agreements[r])
+            if _branch_value(theirs) > _branch_value(mine):
+                chains[r], matches[r], agreements[r], cells[r] = d.tokens, d.match, own, row_cells
+        return agreements, cells
 
     def _agreements(self, roots: list[int], chains: list[list[int]]) -> list[list[bool]]:
         """Per row, per branch token: whether the matrix's first candidate of the token before it

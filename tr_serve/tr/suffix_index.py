@@ -1,0 +1,251 @@
+"""Cross-request suffix index: what followed the longest matching suffix in *other* requests' text.
+
+The per-request context index (tr/context_index.py) drafts from one request's own prompt and
+output; the matrix and the pair table know one or two tokens of context. This index holds the
+prompts and outputs of many requests of a replica (finished ones, and running ones as they grow)
+and, for a row's text, finds the occurrences of its longest suffix in the other requests' text,
+then drafts the continuation most of them went on with, one token at a time, with how many
+occurrences reached each depth (``support``) and how many of those went on with the drafted token
+(``counts``): the per-depth confidence the cost-aware budget prices (tr/budget.py SuffixStats).
+This is SuffixDecoding's frequency-weighted suffix match, built for bounded memory and a CPU step.
+
+Structure. Each request is a *document*: its tokens in an ``array('i')``, growing while it runs.
+An anchor map sends every ``min_match``-gram of a namespace's documents to its most recent
+``max_occurrences`` positions (document id and the position of the token that followed). A lookup
+reads the anchor of the row's last ``min_match`` tokens, extends each occurrence's match backwards
+(at most ``max_match`` tokens), keeps the occurrences of the longest match and walks their
+continuations forwards. Cost: ``min_match`` integer ops and one list append per indexed token; a
+lookup at most ``max_occurrences x (max_match + max_tokens)`` token compares (a few tens of
+microseconds on the usual anchors, whose occurrence lists are short). No rescans of the text.
+
+Bounded memory: at most ``capacity`` tokens are held over all namespaces; past it the oldest
+documents are evicted whole (their anchor entries removed at once), running ones included (a
+document evicted while its request runs is no longer indexed). Each held token has at most one
+anchor entry, so the maps hold at most ``capacity`` entries too (:meth:`SuffixIndex.nbytes`
+reports the bytes).
+
+Tenants: each document belongs to a namespace, and a lookup only ever reads documents of the
+requester's namespace, so one tenant's text never drafts for another's (the fleet's matrix is
+kept apart by the same namespace: tr_serve/fleet/config.py).
+"""
+
+from __future__ import annotations
+
+import sys
+from array import array
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Iterable, Sequence
+
+DEFAULT_NAMESPACE = "default"  # as tr_serve.fleet.config.DEFAULT_NAMESPACE (which imports pydantic)
+# 2^18 tokens: about 200 SmolLM2 chat requests of 1k tokens; measured at the limit on the dev
+# questions' text: about 60 bytes a token (16 MB), see :meth:`SuffixIndex.nbytes`
+DEFAULT_CAPACITY = 1 << 18
+# 3, not 2: one and two tokens of context are the matrix's and the pair table's (the model's own
+# top-K there beats text counts); a 3-gram shared by two requests is the shortest match the
+# other requests' text adds to them
+MIN_MATCH = 3
+MAX_MATCH = 32  # backward comparison stops here: longer matches are rare and add no confidence
+# occurrences kept per anchor, the most recent: bounds a lookup's work on very common anchors
+# (chat-template tokens, "of the") and keeps the counts about recent text
+MAX_OCCURRENCES = 64
+_TOKEN_BITS = 20  # anchors pack min_match token ids of < 2^20 (a 1M vocabulary) in one int
+_POS_BITS = 32  # an occurrence packs (document id, position) in one int
+
+
+@dataclass(frozen=True)
+class SuffixDraft:
+    """One lookup's branch: ``tokens[j]`` was the continuation of ``counts[j]`` of the ``support[j]``
+    occurrences that matched the row's suffix (``match`` tokens long) and went on with
+    ``tokens[:j]``. ``counts[j] / support[j]`` is the depth's confidence."""
+
+    match: int
+    tokens: list[int]
+    support: list[int]
+    counts: list[int]
+
+    def confidence(self, j: int) -> float:
+        return self.counts[j] / self.support[j]
+
+
+@dataclass
+class _Document:
+    namespace: str
+    tokens: array = field(default_factory=lambda: array("i"))
+
+
+class SuffixIndex:
+    """Documents of many requests, per namespace, within ``capacity`` tokens."""
+
+    def __init__(self, capacity: int = DEFAULT_CAPACITY, min_match: int = MIN_MATCH, max_match: int = MAX_MATCH,
+                 max_occurrences: int = MAX_OCCURRENCES):
+        if capacity < 1:
+            raise ValueError(f"suffix index capacity must be >= 1 token, got {capacity}")
+        if not 1 <= min_match <= max_match:
+            raise ValueError(f"need 1 <= min_match <= max_match, got {min_match}, {max_match}")
+        if max_occurrences < 1:
+            raise ValueError(f"max_occurrences must be >= 1, got {max_occurrences}")
+        self.capacity = capacity
+        self.min_match = min_match
+        self.max_match = max_match
+        self.max_occurrences = max_occurrences
+        self._docs: dict[int, _Document] = {}  # creation order: the first is the next evicted
+        self._anchors: dict[str, dict[int, list[int]]] = {}  # namespace -> anchor -> occurrences, oldest first
+        self._next_id = 0
+        self.num_tokens = 0
+        self.evicted_documents = 0
+
+    # ---- feeding ---------------------------------------------------------------------------------
+    def open(self, namespace: str = DEFAULT_NAMESPACE) -> int:
+        """A new, empty document of ``namespace``; returns its id."""
+        doc = self._next_id
+        self._next_id += 1
+        self._docs[doc] = _Document(namespace)
+        self._anchors.setdefault(namespace, {})
+        return doc
+
+    def __contains__(self, doc: int) -> bool:
+        return doc in self._docs
+
+    def document_length(self, doc: int) -> int:
+        """Tokens held of ``doc`` (0 once evicted)."""
+        d = self._docs.get(doc)
+        return len(d.tokens) if d is not None else 0
+
+    def extend(self, doc: int, tokens: Iterable[int]) -> None:
+        """Append ``tokens`` to ``doc`` and index them; a no-op for an evicted document. Evicts
+        the oldest documents while more than ``capacity`` tokens are held."""
+        d = self._docs.get(doc)
+        if d is None:
+            return
+        toks = d.tokens
+        start = len(toks)
+        toks.extend(tokens)
+        end = len(toks)
+        if end == start:
+            return
+        if max(toks[start:end]) >> _TOKEN_BITS or min(toks[start:end]) < 0:
+            del toks[start:end]
+            raise ValueError(f"suffix index: token ids must be in [0, 2^{_TOKEN_BITS})")
+        anchors, m, cap = self._anchors[d.namespace], self.min_match, self.max_occurrences
+        base = doc << _POS_BITS
+        key = 0
+        mask = (1 << (_TOKEN_BITS * m)) - 1
+        for t in toks[max(0, start - m) : start]:  # the anchor before the first new token
+            key = ((key << _TOKEN_BITS) | t) & mask
+        for pos in range(start, end):  # the token at pos follows the anchor toks[pos-m:pos]
+            if pos >= m:
+                occ = anchors.get(key)
+                if occ is None:
+                    anchors[key] = [base | pos]
+                else:
+                    occ.append(base | pos)
+                    if len(occ) > cap:
+                        del occ[0]
+            key = ((key << _TOKEN_BITS) | toks[pos]) & mask
+        self.num_tokens += end - start
+        while self.num_tokens > self.capacity:
+            self._evict_oldest()
+
+    def _evict_oldest(self) -> None:
+        doc, d = next(iter(self._docs.items()))
+        del self._docs[doc]
+        toks, m = d.tokens, self.min_match
+        anchors = self._anchors[d.namespace]
+        base = doc << _POS_BITS
+        key, mask = 0, (1 << (_TOKEN_BITS * m)) - 1
+        for pos, t in enumerate(toks):
+            if pos >= m:
+                occ = anchors.get(key)
+                if occ is not None:
+                    entry = base | pos
+                    if occ[0] == entry:  # the usual case: the oldest document's entries come first
+                        del occ[0]
+                    elif entry in occ:
+                        occ.remove(entry)
+                    if not occ:
+                        del anchors[key]
+            key = ((key << _TOKEN_BITS) | t) & mask
+        self.num_tokens -= len(toks)
+        self.evicted_documents += 1
+        if not anchors and not any(x.namespace == d.namespace for x in self._docs.values()):
+            del self._anchors[d.namespace]
+
+    # ---- drafting --------------------------------------------------------------------------------
+    def lookup(self, doc: int, max_tokens: int) -> SuffixDraft | None:
+        """The branch for the text of ``doc`` (the requester's own document, which is excluded from
+        the match): the continuation of the longest suffix of that text found in the other
+        documents of its namespace, at most ``max_tokens`` tokens; None when no suffix of
+        ``min_match`` tokens occurs elsewhere or the document was evicted."""
+        d = self._docs.get(doc)
+        if d is None or max_tokens <= 0:
+            return None
+        return self.lookup_text(d.tokens, d.namespace, max_tokens, exclude=doc)
+
+    def lookup_text(self, text: Sequence[int], namespace: str, max_tokens: int,
+                    exclude: int | None = None) -> SuffixDraft | None:
+        """:meth:`lookup` for any ``text`` (a request's prompt and output so far)."""
+        m, n = self.min_match, len(text)
+        anchors = self._anchors.get(namespace)
+        if n < m or anchors is None or max_tokens <= 0:
+            return None
+        key = 0
+        for t in text[n - m :]:
+            key = (key << _TOKEN_BITS) | t
+        occ = anchors.get(key)
+        if not occ:
+            return None
+        docs, limit = self._docs, min(self.max_match, n)
+        best, best_len = [], 0
+        low = (1 << _POS_BITS) - 1
+        for entry in reversed(occ):  # the most recent first: ties of the vote go to recent text
+            doc = entry >> _POS_BITS
+            if doc == exclude:
+                continue
+            toks = docs[doc].tokens
+            pos = entry & low
+            length, top = m, min(limit, pos)
+            while length < top and toks[pos - 1 - length] == text[n - 1 - length]:
+                length += 1
+            if length > best_len:
+                best, best_len = [(toks, pos)], length
+            elif length == best_len:
+                best.append((toks, pos))
+        if not best:
+            return None
+        tokens, support, counts = [], [], []
+        alive = best
+        for _ in range(max_tokens):
+            votes = Counter(t[p] for t, p in alive if p < len(t))  # running documents may end here
+            if not votes:
+                break
+            total = sum(votes.values())
+            tok, count = max(votes.items(), key=_by_count)  # the first of equal counts: the most recent
+            tokens.append(tok)
+            support.append(total)
+            counts.append(count)
+            alive = [(t, p + 1) for t, p in alive if p < len(t) and t[p] == tok]
+        return SuffixDraft(best_len, tokens, support, counts) if tokens else None
+
+    # ---- size ------------------------------------------------------------------------------------
+    def num_documents(self) -> int:
+        return len(self._docs)
+
+    def num_occurrences(self) -> int:
+        return sum(len(occ) for anchors in self._anchors.values() for occ in anchors.values())
+
+    def nbytes(self) -> int:
+        """Bytes the index holds: the documents' token arrays, the anchor maps, their keys, the
+        occurrence lists and the ints in them (``sys.getsizeof``; shared small ints counted too)."""
+        size = sys.getsizeof(self._docs) + sys.getsizeof(self._anchors)
+        for d in self._docs.values():
+            size += sys.getsizeof(d) + sys.getsizeof(d.tokens)
+        for anchors in self._anchors.values():
+            size += sys.getsizeof(anchors)
+            for key, occ in anchors.items():
+                size += sys.getsizeof(key) + sys.getsizeof(occ) + sum(sys.getsizeof(e) for e in occ)
+        return size
+
+
+def _by_count(item: tuple[int, int]) -> int:
+    return item[1]
