@@ -79,7 +79,7 @@ class EngineConfig:
             spec = parse_tree_spec(self.tree, self.budget)
         except ValueError as e:
             raise ValueError(str(e)) from None
-        if self.suffix_index and not (spec.auto_budget and spec.context):
+        if self.suffix_index and not spec.prices_branches:
             raise ValueError(f"suffix_index needs tree 'auto' (its branch is priced by the cost-aware budget), "
                              f"got tree {self.tree!r}")
         if self.max_model_len < 2:

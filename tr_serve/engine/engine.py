@@ -241,7 +241,7 @@ class Engine:
         """Whether the cross-request suffix index (tr/suffix_index.py) drafts a branch beside each
         row's context. By default ``auto`` does; ``suffix_index: false`` turns it off. Only under the
         cost-aware budget, which prices its branch (EngineConfig refuses it elsewhere)."""
-        if not (self.spec.auto_budget and self.spec.context):
+        if not self.spec.prices_branches:
             return False
         return True if self.config.suffix_index is None else self.config.suffix_index
 

@@ -98,7 +98,7 @@ class Drafter:
                  suffix: SuffixIndex | None = None):
         if spec.auto_budget and (template is None or latency is None):
             raise ValueError("the cost-aware budget needs a template and a latency table")
-        if suffix is not None and not (spec.auto_budget and spec.context):
+        if suffix is not None and not spec.prices_branches:
             raise ValueError("the suffix index drafts a branch the cost-aware budget prices: it needs 'auto'")
         self.spec = spec
         self.template = template
