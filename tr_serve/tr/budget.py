@@ -521,6 +521,35 @@ def choose_plan(template_rates: list[float], chains: list[tuple[list[int], list[
     return plan
 
 
+def choose_fixed_plan(template_rates: list[float], chains: list[tuple[list[int], list[float]]], nodes: int,
+                      branchless_rates: list[float] | None = None) -> list[tuple[int, int]]:
+    """Per row, (template nodes n, branch cap L) that verify ``nodes`` drafted nodes (fewer only when
+    the template and the branch have fewer) with the most expected accepted drafts, arguments as in
+    :func:`choose_plan`: the ranking of the cost-aware budget at a fixed node count, whatever the
+    step costs. Why: what better first nodes are worth is their MAT at 1, 2, 4, 8 or 16 verified
+    nodes, which a cost-aware plan (a count of its own each step) does not show."""
+    cum_t = _cumulative(template_rates)
+    cum_b = cum_t if branchless_rates is None else _cumulative(branchless_rates)
+    most = min(nodes, len(template_rates))
+    plans = []
+    for merge_pos, rates in chains:
+        if not rates:
+            plans.append((most, 0))
+            continue
+        cum = _cumulative(rates)
+        best, pick, m = -1.0, (0, 0), 0
+        for n in range(most + 1):
+            while m < len(merge_pos) and merge_pos[m] < n:
+                m += 1
+            extra = min(nodes - n, len(rates) - m)
+            merged = sum(template_rates[pos] for pos in merge_pos[:m])
+            gain = cum_t[n] - merged + cum[m + extra]
+            if gain > best + 1e-12:
+                best, pick = gain, (n, extra)
+        plans.append(pick)
+    return plans
+
+
 _NOT_VERIFIED = 1 << 30  # merge position of a branch token that no template node holds
 # Lean steps (TreeBudget.lean_next): when fewer than LEAN_BELOW of the recent plans (a moving
 # average with weight 1 - LEAN_DECAY per plan) bought a template node, steps plan the context
@@ -577,6 +606,9 @@ class TreeBudget:
         self.order_version = 0  # bumped when the order changes (subtrees built from it are stale)
         self._set_order(list(range(1, n + 1)))  # template nodes in the order a row adds them
         self.steps = 0
+        # None: each step's node count is the plan's; a count: every row verifies that many drafted nodes,
+        # the best estimated (choose_fixed_plan), to measure what the ranking is worth at that count
+        self.fixed_nodes: int | None = None
         # the template's and the branches' rates are calibrated apart: their estimates are biased by
         # different amounts (measured at 4 rows on 16 dev questions, one calibration for both: 0.70
         # of the template nodes' expected drafts accepted, 0.92 of the branch tokens')
@@ -599,7 +631,7 @@ class TreeBudget:
         explorations) stays a full plan, so the template's acceptance keeps being observed and
         plans that buy nodes that pay end the lean steps."""
         step = self.steps + 1
-        if step % self.explore_every == self.explore_every // 2:
+        if step % self.explore_every == self.explore_every // 2 or self.fixed_nodes is not None:
             return False
         return self.template_use < LEAN_BELOW or self.template_host > self.template_share * self.step_seconds
 
@@ -690,8 +722,11 @@ class TreeBudget:
             merge_pos += [_NOT_VERIFIED] * (len(chain) - len(merge_pos))
             chain_info.append((merge_pos, self.branch_rates(chain, matches[r], agreements[r], cells[r])))
         scaled = _scaled(chain_info, self.branch_calibration.scale)
-        plans = choose_plan([p * scale for p in order_rates], scaled, self.latency, self.node_candidates,
-                            self.chain_caps, explore, [p * scale for p in branchless_rates])
+        if self.fixed_nodes is not None:
+            plans = choose_fixed_plan(order_rates, chain_info, self.fixed_nodes, branchless_rates)
+        else:
+            plans = choose_plan([p * scale for p in order_rates], scaled, self.latency, self.node_candidates,
+                                self.chain_caps, explore, [p * scale for p in branchless_rates])
         self._expected = plan_gains(order_rates, chain_info, plans, branchless_rates)
         if branchless:
             self._branchless_plans[len(chains)] = (self.order_version, self.steps, list(plans), self._expected)

@@ -10,19 +10,22 @@ occurrences reached each depth (``support``) and how many of those went on with 
 This is SuffixDecoding's frequency-weighted suffix match, built for bounded memory and a CPU step.
 
 Structure. Each request is a *document*: its tokens in an ``array('i')``, growing while it runs.
-An anchor map sends every ``min_match``-gram of a namespace's documents to its most recent
-``max_occurrences`` positions (document id and the position of the token that followed). A lookup
-reads the anchor of the row's last ``min_match`` tokens, extends each occurrence's match backwards
-(at most ``max_match`` tokens), keeps the occurrences of the longest match and walks their
-continuations forwards. Cost: ``min_match`` integer ops and one list append per indexed token; a
-lookup at most ``max_occurrences x (max_match + max_tokens)`` token compares (a few tens of
-microseconds on the usual anchors, whose occurrence lists are short). No rescans of the text.
+Every position of a document, from its ``min_match``-th on, is an *occurrence* of the
+``min_match``-gram before it, packed as one int (document id, position of the token that followed).
+A namespace's head map sends each ``min_match``-gram to its newest occurrence, and each document
+keeps, per position, the occurrence of the same gram before it (an ``array('q')``): hash chains, as
+LZ77 compressors keep them. A lookup walks the chain of the row's last ``min_match`` tokens, newest
+first, for at most ``max_occurrences`` occurrences of other documents, extends each one's match
+backwards (at most ``max_match`` tokens), keeps the occurrences of the longest match and walks their
+continuations forwards. Cost: a few integer ops, one dict write and one array append per indexed
+token; a lookup at most ``max_occurrences x (max_match + max_tokens)`` token compares (a few tens of
+microseconds on the usual grams, whose chains are short). No rescans of the text.
 
 Bounded memory: at most ``capacity`` tokens are held over all namespaces; past it the oldest
-documents are evicted whole (their anchor entries removed at once), running ones included (a
-document evicted while its request runs is no longer indexed). Each held token has at most one
-anchor entry, so the maps hold at most ``capacity`` entries too (:meth:`SuffixIndex.nbytes`
-reports the bytes).
+documents are evicted whole, running ones included (a document evicted while its request runs is
+no longer indexed). A chain ends at an evicted document's occurrence, and a head that pointed into
+one is removed with it, so every map and array holds at most one entry per held token
+(:meth:`SuffixIndex.nbytes` reports the bytes: measured about 80 a token on the dev questions' text).
 
 Tenants: each document belongs to a namespace, and a lookup only ever reads documents of the
 requester's namespace, so one tenant's text never drafts for another's (the fleet's matrix is
@@ -46,10 +49,11 @@ DEFAULT_CAPACITY = 1 << 18
 # other requests' text adds to them
 MIN_MATCH = 3
 MAX_MATCH = 32  # backward comparison stops here: longer matches are rare and add no confidence
-# occurrences kept per anchor, the most recent: bounds a lookup's work on very common anchors
-# (chat-template tokens, "of the") and keeps the counts about recent text
+# occurrences of other documents a lookup reads, the newest: bounds its work on very common grams
+# (chat-template tokens, "of the") and keeps the votes about recent text
 MAX_OCCURRENCES = 64
-_TOKEN_BITS = 20  # anchors pack min_match token ids of < 2^20 (a 1M vocabulary) in one int
+MAX_VISITS_PER_OCCURRENCE = 4  # a chain walk also skips the requester's own occurrences, at most this many times more
+_TOKEN_BITS = 20  # grams pack min_match token ids of < 2^20 (a 1M vocabulary) in one int
 _POS_BITS = 32  # an occurrence packs (document id, position) in one int
 
 
@@ -72,6 +76,7 @@ class SuffixDraft:
 class _Document:
     namespace: str
     tokens: array = field(default_factory=lambda: array("i"))
+    prev: array = field(default_factory=lambda: array("q"))  # per position: the gram's occurrence before it (-1: none)
 
 
 class SuffixIndex:
@@ -90,7 +95,7 @@ class SuffixIndex:
         self.max_match = max_match
         self.max_occurrences = max_occurrences
         self._docs: dict[int, _Document] = {}  # creation order: the first is the next evicted
-        self._anchors: dict[str, dict[int, list[int]]] = {}  # namespace -> anchor -> occurrences, oldest first
+        self._heads: dict[str, dict[int, int]] = {}  # namespace -> gram -> its newest occurrence
         self._next_id = 0
         self.num_tokens = 0
         self.evicted_documents = 0
@@ -101,7 +106,7 @@ class SuffixIndex:
         doc = self._next_id
         self._next_id += 1
         self._docs[doc] = _Document(namespace)
-        self._anchors.setdefault(namespace, {})
+        self._heads.setdefault(namespace, {})
         return doc
 
     def __contains__(self, doc: int) -> bool:
@@ -118,7 +123,7 @@ class SuffixIndex:
         d = self._docs.get(doc)
         if d is None:
             return
-        toks = d.tokens
+        toks, prev = d.tokens, d.prev
         start = len(toks)
         toks.extend(tokens)
         end = len(toks)
@@ -127,21 +132,19 @@ class SuffixIndex:
         if max(toks[start:end]) >> _TOKEN_BITS or min(toks[start:end]) < 0:
             del toks[start:end]
             raise ValueError(f"suffix index: token ids must be in [0, 2^{_TOKEN_BITS})")
-        anchors, m, cap = self._anchors[d.namespace], self.min_match, self.max_occurrences
+        heads, m = self._heads[d.namespace], self.min_match
         base = doc << _POS_BITS
-        key = 0
         mask = (1 << (_TOKEN_BITS * m)) - 1
-        for t in toks[max(0, start - m) : start]:  # the anchor before the first new token
+        key = 0
+        for t in toks[max(0, start - m) : start]:  # the gram before the first new token
             key = ((key << _TOKEN_BITS) | t) & mask
-        for pos in range(start, end):  # the token at pos follows the anchor toks[pos-m:pos]
+        get = heads.get
+        for pos in range(start, end):  # the token at pos follows the gram toks[pos-m:pos]
             if pos >= m:
-                occ = anchors.get(key)
-                if occ is None:
-                    anchors[key] = [base | pos]
-                else:
-                    occ.append(base | pos)
-                    if len(occ) > cap:
-                        del occ[0]
+                prev.append(get(key, -1))
+                heads[key] = base | pos
+            else:
+                prev.append(-1)
             key = ((key << _TOKEN_BITS) | toks[pos]) & mask
         self.num_tokens += end - start
         while self.num_tokens > self.capacity:
@@ -151,25 +154,17 @@ class SuffixIndex:
         doc, d = next(iter(self._docs.items()))
         del self._docs[doc]
         toks, m = d.tokens, self.min_match
-        anchors = self._anchors[d.namespace]
+        heads = self._heads[d.namespace]
         base = doc << _POS_BITS
         key, mask = 0, (1 << (_TOKEN_BITS * m)) - 1
         for pos, t in enumerate(toks):
-            if pos >= m:
-                occ = anchors.get(key)
-                if occ is not None:
-                    entry = base | pos
-                    if occ[0] == entry:  # the usual case: the oldest document's entries come first
-                        del occ[0]
-                    elif entry in occ:
-                        occ.remove(entry)
-                    if not occ:
-                        del anchors[key]
+            if pos >= m and heads.get(key) == base | pos:  # the gram's newest occurrence: its chain goes too
+                del heads[key]
             key = ((key << _TOKEN_BITS) | t) & mask
         self.num_tokens -= len(toks)
         self.evicted_documents += 1
-        if not anchors and not any(x.namespace == d.namespace for x in self._docs.values()):
-            del self._anchors[d.namespace]
+        if not heads and not any(x.namespace == d.namespace for x in self._docs.values()):
+            del self._heads[d.namespace]
 
     # ---- drafting --------------------------------------------------------------------------------
     def lookup(self, doc: int, max_tokens: int) -> SuffixDraft | None:
@@ -186,31 +181,36 @@ class SuffixIndex:
                     exclude: int | None = None) -> SuffixDraft | None:
         """:meth:`lookup` for any ``text`` (a request's prompt and output so far)."""
         m, n = self.min_match, len(text)
-        anchors = self._anchors.get(namespace)
-        if n < m or anchors is None or max_tokens <= 0:
+        heads = self._heads.get(namespace)
+        if n < m or heads is None or max_tokens <= 0:
             return None
         key = 0
         for t in text[n - m :]:
             key = (key << _TOKEN_BITS) | t
-        occ = anchors.get(key)
-        if not occ:
-            return None
+        entry = heads.get(key, -1)
         docs, limit = self._docs, min(self.max_match, n)
         best, best_len = [], 0
         low = (1 << _POS_BITS) - 1
-        for entry in reversed(occ):  # the most recent first: ties of the vote go to recent text
-            doc = entry >> _POS_BITS
-            if doc == exclude:
-                continue
-            toks = docs[doc].tokens
+        found, visits = 0, 0
+        # newest first (ties of the vote go to recent text); the excluded document's own occurrences
+        # are skipped, at most MAX_VISITS_PER_OCCURRENCE times the occurrences a lookup reads
+        while entry >= 0 and found < self.max_occurrences and visits < MAX_VISITS_PER_OCCURRENCE * self.max_occurrences:
+            d = docs.get(entry >> _POS_BITS)
+            if d is None:  # evicted: the chain's older part went with it
+                break
             pos = entry & low
-            length, top = m, min(limit, pos)
-            while length < top and toks[pos - 1 - length] == text[n - 1 - length]:
-                length += 1
-            if length > best_len:
-                best, best_len = [(toks, pos)], length
-            elif length == best_len:
-                best.append((toks, pos))
+            visits += 1
+            if entry >> _POS_BITS != exclude:
+                found += 1
+                toks = d.tokens
+                length, top = m, min(limit, pos)
+                while length < top and toks[pos - 1 - length] == text[n - 1 - length]:
+                    length += 1
+                if length > best_len:
+                    best, best_len = [(toks, pos)], length
+                elif length == best_len:
+                    best.append((toks, pos))
+            entry = d.prev[pos]
         if not best:
             return None
         tokens, support, counts = [], [], []
@@ -232,18 +232,21 @@ class SuffixIndex:
         return len(self._docs)
 
     def num_occurrences(self) -> int:
-        return sum(len(occ) for anchors in self._anchors.values() for occ in anchors.values())
+        """Occurrences held: one per position past each document's first ``min_match``."""
+        return sum(max(0, len(d.tokens) - self.min_match) for d in self._docs.values())
+
+    def num_grams(self) -> int:
+        """Grams with a head (an occurrence in a held document)."""
+        return sum(len(heads) for heads in self._heads.values())
 
     def nbytes(self) -> int:
-        """Bytes the index holds: the documents' token arrays, the anchor maps, their keys, the
-        occurrence lists and the ints in them (``sys.getsizeof``; shared small ints counted too)."""
-        size = sys.getsizeof(self._docs) + sys.getsizeof(self._anchors)
+        """Bytes the index holds: the documents' token and chain arrays, the head maps, their keys
+        and values (``sys.getsizeof``; shared small ints counted too)."""
+        size = sys.getsizeof(self._docs) + sys.getsizeof(self._heads)
         for d in self._docs.values():
-            size += sys.getsizeof(d) + sys.getsizeof(d.tokens)
-        for anchors in self._anchors.values():
-            size += sys.getsizeof(anchors)
-            for key, occ in anchors.items():
-                size += sys.getsizeof(key) + sys.getsizeof(occ) + sum(sys.getsizeof(e) for e in occ)
+            size += sys.getsizeof(d) + sys.getsizeof(d.tokens) + sys.getsizeof(d.prev)
+        for heads in self._heads.values():
+            size += sys.getsizeof(heads) + sum(sys.getsizeof(k) + sys.getsizeof(v) for k, v in heads.items())
         return size
 
 
