@@ -755,3 +755,40 @@ def test_the_engine_verifies_the_fixed_node_count_on_every_row_and_step(tokenize
     assert outs["fixed"].token_ids == outs["plain"].token_ids
     nodes = outs["fixed"].stats.tree_nodes_per_step
     assert nodes and set(nodes[:-1]) == {4}  # the last step may be cut by the room left
+
+
+def test_suffix_stats_price_a_token_by_its_vote_match_length_and_agreement():
+    from tr_serve.tr.budget import SuffixStats
+
+    cell = SuffixStats.cell
+    # one occurrence in one is a vote of 0.5; nine of ten 0.82: cells apart
+    assert cell(3, 1, 1, False) != cell(3, 9, 10, False)
+    assert cell(3, 9, 10, False) != cell(12, 9, 10, False) != cell(12, 9, 10, True)
+    assert cell(3, 1, 1, False) == cell(4, 2, 3, False)  # the same vote (0.5) and match bucket (3-4)
+    stats = SuffixStats(decay=1.0, prior_weight=2.0)
+    prior = stats.rates()
+    assert prior[cell(3, 9, 10, False)] > prior[cell(3, 1, 1, False)] > prior[cell(3, 1, 4, False)]
+    strong, weak = cell(12, 9, 10, True), cell(3, 1, 1, False)
+    for _ in range(8):  # strong tokens right, then the weak one after them wrong
+        stats.update([((strong, strong, weak), [True, True, True], [True, True, False])])
+    stats.update([((weak, strong), [True, False], [False, False])])  # the second is not observed: its parent failed
+    assert stats.trials[strong] == 2.0 + 16 and stats.hits[strong] == pytest.approx(2.0 * SuffixStats.VOTE_PRIORS[4] + 16)
+    assert stats.trials[weak] == 2.0 + 9 and stats.hits[weak] == pytest.approx(2.0 * SuffixStats.VOTE_PRIORS[2])
+    rates = stats.path_rates([strong, weak])
+    assert rates[0] == pytest.approx(stats.rates()[strong]) and rates[1] == pytest.approx(rates[0] * stats.rates()[weak])
+
+
+def test_suffix_branches_are_learned_by_suffix_stats_and_other_branches_by_context_stats():
+    from tr_serve.tr.budget import SuffixStats, branch_outcomes, suffix_outcomes
+    from tr_serve.tr.draft import build_draft
+    from tr_serve.tr.verifier import accept_draft
+
+    tree = compile_tree([])
+    roots = torch.tensor([[1], [1]])
+    cells = [SuffixStats.cell(5, 3, 3, False), SuffixStats.cell(5, 2, 3, True)]
+    batch = build_draft(roots, tree, torch.zeros(0, dtype=torch.long), chains=[[10, 11], [20, 21]],
+                        match_lengths=[2, 5], row_nodes=[0, 0], caps=[2, 1], cells=[None, cells])
+    assert batch.branch_cells == ((), tuple(cells))  # the drafted token and the one past the cap
+    acceptance = accept_draft(batch, torch.tensor([[10, 11, 0], [20, 21, 0]]))
+    assert branch_outcomes(batch, acceptance) == [(2, (False, False), [True, True], [True, True])]
+    assert suffix_outcomes(batch, acceptance) == [(tuple(cells), [True, True], [True, True])]

@@ -215,7 +215,14 @@ class SuffixIndex:
             return None
         tokens, support, counts = [], [], []
         alive = best
-        for _ in range(max_tokens):
+        while len(tokens) < max_tokens:
+            if len(alive) == 1:  # one occurrence left: the rest of its text, one vote of one each
+                t, p = alive[0]
+                rest = t[p : p + max_tokens - len(tokens)].tolist()
+                tokens += rest
+                support += [1] * len(rest)
+                counts += [1] * len(rest)
+                break
             votes = Counter(t[p] for t, p in alive if p < len(t))  # running documents may end here
             if not votes:
                 break
