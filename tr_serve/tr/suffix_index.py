@@ -25,7 +25,7 @@ Bounded memory: at most ``capacity`` tokens are held over all namespaces; past i
 documents are evicted whole, running ones included (a document evicted while its request runs is
 no longer indexed). A chain ends at an evicted document's occurrence, and a head that pointed into
 one is removed with it, so every map and array holds at most one entry per held token
-(:meth:`SuffixIndex.nbytes` reports the bytes: measured about 80 a token on the dev questions' text).
+(:meth:`SuffixIndex.nbytes` reports the bytes: about 100 a token of distinct text, DEFAULT_CAPACITY).
 
 Tenants: each document belongs to a namespace, and a lookup only ever reads documents of the
 requester's namespace, so one tenant's text never drafts for another's (the fleet's matrix is
@@ -41,8 +41,10 @@ from dataclasses import dataclass, field
 from typing import Iterable, Sequence
 
 DEFAULT_NAMESPACE = "default"  # as tr_serve.fleet.config.DEFAULT_NAMESPACE (which imports pydantic)
-# 2^18 tokens: about 200 SmolLM2 chat requests of 1k tokens; measured at the limit on the dev
-# questions' text: about 60 bytes a token (16 MB), see :meth:`SuffixIndex.nbytes`
+# 2^18 tokens: about 250 chat requests of 1k tokens. Measured at the limit (nbytes and tracemalloc
+# agree): 97 bytes a token of distinct text (the dev questions' prompts and greedy answers, 5.9 MiB
+# at 65,536 tokens), so at most about 25 MiB here; 9.8 MiB with that text four times over (fewer
+# distinct grams)
 DEFAULT_CAPACITY = 1 << 18
 # 3, not 2: one and two tokens of context are the matrix's and the pair table's (the model's own
 # top-K there beats text counts); a 3-gram shared by two requests is the shortest match the
@@ -50,8 +52,11 @@ DEFAULT_CAPACITY = 1 << 18
 MIN_MATCH = 3
 MAX_MATCH = 32  # backward comparison stops here: longer matches are rare and add no confidence
 # occurrences of other documents a lookup reads, the newest: bounds its work on very common grams
-# (chat-template tokens, "of the") and keeps the votes about recent text
-MAX_OCCURRENCES = 64
+# (chat-template tokens, "of the") and keeps the votes about recent text. Measured offline on the
+# dev questions' greedy outputs (each question's positions looked up in the index of the ones
+# before it): the first drafted token was right at 7.8-8.0% of the positions with 4 to 64
+# occurrences read; 16 costs a quarter of 64's work on common grams
+MAX_OCCURRENCES = 16
 MAX_VISITS_PER_OCCURRENCE = 4  # a chain walk also skips the requester's own occurrences, at most this many times more
 _TOKEN_BITS = 20  # grams pack min_match token ids of < 2^20 (a 1M vocabulary) in one int
 _POS_BITS = 32  # an occurrence packs (document id, position) in one int
