@@ -11,11 +11,12 @@
 * ``pld``: the context branch alone (prompt lookup decoding through the same runner)
 
 With a pair table (tr/pair_table.py; the fixed hybrids by default) the template is drafted from
-rows keyed by (token before, token) where the table holds them, and under ``auto`` a row with no
-context match gets the pair table's chain as its branch. Without one, under ``auto`` such a row
-gets the matrix's confident chain (``AdjacencyMatrix.confident_chains``: first candidates through
-rows the model has rewritten alike), priced by its own measured acceptance like any branch, on
-full plans and lean steps alike.
+rows keyed by (token before, token) where the table holds them. Under ``auto`` each row's branch is
+the best valued (:data:`BRANCH_PRICE`) of three, each priced by its own measured acceptance, on
+full plans and lean steps alike: the row's context match; a chain from the recycled tables (the
+pair table's, or without one the matrix's confident chain, ``AdjacencyMatrix.confident_chains``:
+first candidates through rows the model has rewritten alike); and the cross-request suffix index's
+continuation (tr/suffix_index.py: what followed the row's longest suffix in other requests' text).
 """
 
 from __future__ import annotations
@@ -161,32 +162,24 @@ class Drafter:
             for r, ctx in enumerate(contexts):
                 matches[r], chains[r] = ctx.lookup(caps[r])
         lean = self.budget is not None and self.budget.lean_next  # the template did not pay lately
-        if self.budget is not None and self.context is not None:
-            # rows the context has no match for: a chain from the recycled tables, priced by its
-            # own acceptance (ContextStats bucket of TABLE_CHAIN_MATCH), on full plans too: the
-            # template holds the same first candidates, but priced by their position's average
-            # over every row, which a row whose root the model keeps rewriting alike beats (see
-            # CONFIDENT_STREAK for the figures)
-            idle = [r for r in range(b) if not chains[r]]
-            if idle:
-                idle_caps = [caps[r] for r in idle]
-                if pairs is not None:
-                    found = pairs.chains(before[idle], roots[idle], idle_caps)
-                else:
-                    found = self.matrix.confident_chains(roots[idle].tolist(), idle_caps, CONFIDENT_STREAK)
-                for r, chain in zip(idle, found):
-                    if chain:
-                        chains[r], matches[r] = chain, TABLE_CHAIN_MATCH
         n = self.template.num_nodes if self.template is not None else 0
         cap = self.context.max_tokens if self.context is not None else 0
-        found = None
-        if self.suffix is not None and documents is not None:
-            found = [self.suffix.lookup(doc, caps[r]) if doc is not None else None for r, doc in enumerate(documents)]
-        cells = None
-        if found is not None and any(found):
-            agreements, cells = self._prefer_suffix(roots.tolist(), chains, matches, found)
-        else:
-            agreements = self._agreements(roots.tolist(), chains) if self.budget is not None else None
+        agreements, cells = None, None
+        if self.budget is not None and self.context is not None:
+            # each row's branch: its context's, the recycled tables' chain or the suffix index's,
+            # whichever the budget's estimates value most (_choose_branches). The chain from the
+            # tables holds the template's first candidates, but priced by the row's own evidence
+            # (the model rewrote them alike, CONFIDENT_STREAK; or the pair table's rows) where the
+            # template prices them by their position's average over every row
+            if pairs is not None:
+                table = pairs.chains(before, roots, caps)
+            else:
+                table = self.matrix.confident_chains(roots.tolist(), caps, CONFIDENT_STREAK)
+            found = [None] * b
+            if self.suffix is not None and documents is not None:
+                found = [self.suffix.lookup(doc, caps[r]) if doc is not None else None
+                         for r, doc in enumerate(documents)]
+            agreements, cells = self._choose_branches(roots.tolist(), chains, matches, table, found)
         if lean:
             t0 = time.perf_counter()
             plans = self.budget.plan_branches(chains, matches, agreements, cells)
@@ -212,27 +205,46 @@ class Drafter:
                             agreements, cells)
         return replace(batch, template_draft=full, before_roots=before if pairs is not None else None)
 
-    def _prefer_suffix(self, roots: list[int], chains: list[list[int]], matches: list[int],
-                       found: list[SuffixDraft | None]) -> tuple[list[list[bool]], list[list[int] | None]]:
-        """Per row, the suffix index's branch in place of the row's own (``chains[r]``, replaced in
-        place with ``matches[r]``) where it is worth more (:data:`BRANCH_PRICE`) under the budget's
-        estimates; returns every row's agreements and, per row that took the suffix branch, its
-        tokens' SuffixStats cells (None elsewhere). One gather for both kinds of branch."""
-        b = len(chains)
-        drafted = [d.tokens if d is not None else [] for d in found]
-        agreed = self._agreements(roots + roots, chains + drafted)
-        agreements: list[list[bool]] = agreed[:b]
-        cells: list[list[int] | None] = [None] * b
-        for r, d in enumerate(found):
-            if d is None:
-                continue
-            own = agreed[b + r]
-            row_cells = [SuffixStats.cell(d.match, c, s, a) for c, s, a in zip(d.counts, d.support, own)]
-            theirs = self.budget.branch_rates(d.tokens, d.match, own, row_cells)
-            mine = self.budget.branch_rates(chains[r], matches[r], agreements[r])
-            if _branch_value(theirs) > _branch_value(mine):
-                chains[r], matches[r], agreements[r], cells[r] = d.tokens, d.match, own, row_cells
-        return agreements, cells
+    def _choose_branches(self, roots: list[int], chains: list[list[int]], matches: list[int],
+                         table: list[list[int]], found: list[SuffixDraft | None]
+                         ) -> tuple[list[list[bool]], list[list[int] | None] | None]:
+        """Per row, the branch worth most (:func:`_branch_value` of its path rates under the
+        budget's estimates; the first on a tie) of: its context's (``chains[r]``, ``matches[r]``),
+        the tables' chain ``table[r]`` (match length TABLE_CHAIN_MATCH), the suffix index's
+        ``found[r]``; ``chains`` and ``matches`` are set to it in place. Returns every row's
+        agreements (the matrix's, per token of its branch) and, when a row took a suffix-index
+        branch, the SuffixStats cells of its tokens per row (None elsewhere; None overall when no
+        row did). One gather for every option's agreements."""
+        options: list[list[tuple[list[int], int, SuffixDraft | None]]] = []
+        for r in range(len(chains)):
+            row = [(chains[r], matches[r], None)] if chains[r] else []
+            if table[r]:
+                row.append((table[r], TABLE_CHAIN_MATCH, None))
+            if found[r] is not None:
+                row.append((found[r].tokens, found[r].match, found[r]))
+            options.append(row)
+        flat_roots = [roots[r] for r, row in enumerate(options) for _ in row]
+        agreed = iter(self._agreements(flat_roots, [chain for row in options for chain, _, _ in row]))
+        agreements: list[list[bool]] = []
+        cells: list[list[int] | None] = []
+        for r, row in enumerate(options):
+            best, best_value = None, -1.0
+            for chain, match, draft in row:
+                own = next(agreed)
+                row_cells = ([SuffixStats.cell(draft.match, c, n, a) for c, n, a in zip(draft.counts, draft.support, own)]
+                             if draft is not None else None)
+                value = _branch_value(self.budget.branch_rates(chain, match, own, row_cells)) if len(row) > 1 else 0.0
+                if value > best_value:
+                    best, best_value = (chain, match, own, row_cells), value
+            if best is None:
+                chains[r], matches[r] = [], 0
+                agreements.append([])
+                cells.append(None)
+            else:
+                chains[r], matches[r] = best[0], best[1]
+                agreements.append(best[2])
+                cells.append(best[3])
+        return agreements, (cells if any(c is not None for c in cells) else None)
 
     def _agreements(self, roots: list[int], chains: list[list[int]]) -> list[list[bool]]:
         """Per row, per branch token: whether the matrix's first candidate of the token before it
