@@ -206,3 +206,25 @@ def test_the_suffix_index_is_autos_and_holds_at_most_its_token_setting(tokenizer
         assert run(engine, [7, 8, 9, 10], 30) == plain
         assert engine.suffix.num_tokens <= 50
     assert engine.suffix.evicted_documents == 2 and engine.suffix.num_documents() == 1
+
+
+def test_a_running_requests_text_drafts_for_a_later_one(tokenizer):
+    loaded = tiny_loaded(tokenizer, seed=3, init_range=0.5)
+    prompt = [5, 17, 230, 402, 9, 33, 71, 12]
+    plain = run(Engine(loaded, EngineConfig(model="tiny", tree="none", max_model_len=128)), prompt, 40)
+    engine = Engine(loaded, EngineConfig(model="tiny", tree="auto", max_model_len=128, max_num_seqs=2))
+    drafts = []
+    spy(engine.drafter, "draft", lambda args, batch: drafts.append(batch))
+    params = SamplingParams(max_tokens=40, ignore_eos=True)
+    first = engine.add_request(prompt, params)
+    outs = {}
+    while not drafts or len(engine.running[0].output_ids) < 20:  # the first request is 20 tokens ahead
+        outs.update({o.request_id: o for o in engine.step() if o.finished})
+    assert not any(any(d.branch_cells) for d in drafts)
+    second = engine.add_request(prompt, params)
+    drafts.clear()
+    while engine.has_unfinished():
+        outs.update({o.request_id: o for o in engine.step() if o.finished})
+    assert outs[first].token_ids == plain and outs[second].token_ids == plain
+    rows = [d.branch_cells[-1] for d in drafts if len(d.branch_cells) == 2]  # the second request's row
+    assert any(rows), "the running request's text should draft for the later one"
