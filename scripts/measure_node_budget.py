@@ -61,10 +61,14 @@ def main() -> None:
 
     measured, warm = questions(args.per_category, args.warmup)
     loaded = load_model("smollm2-135m-instruct")
+    prompts = {row["question_id"]: encode_prompt(loaded.tokenizer, [{"role": "user", "content": row["turns"][0]}])
+               for row in warm + measured}
+    # as tr-serve bench sizes its engines: each one's KV cache holds one row of this many tokens
+    max_model_len = max(2048, max(map(len, prompts.values())) + args.max_new_tokens + 1)
     variants: list[tuple[str, LLM]] = []
     for suffix in args.suffix:
         for nodes in args.nodes:
-            llm = LLM(tree="auto", loaded=loaded, max_num_seqs=1, max_model_len=4096, suffix_index=suffix == "on",
+            llm = LLM(tree="auto", loaded=loaded, max_num_seqs=1, max_model_len=max_model_len, suffix_index=suffix == "on",
                       pair_table=args.pair_table or None)
             if nodes:
                 llm.engine.drafter.budget.fixed_nodes = nodes
@@ -73,7 +77,7 @@ def main() -> None:
     stats = {name: [0, 0, 0, 0.0, 0] for name, _ in variants}  # accepted, steps, nodes, seconds, new tokens
     for phase, rows in (("warm-up", warm), ("measured", measured)):
         for i, row in enumerate(rows):
-            ids = encode_prompt(loaded.tokenizer, [{"role": "user", "content": row["turns"][0]}])
+            ids = prompts[row["question_id"]]
             want = None
             for name, llm in variants:
                 t0 = time.perf_counter()
