@@ -128,3 +128,26 @@ def test_lossless_step_attention(loaded, bench_prompts, references, tree, rows, 
     for ((cat, qid, _), want), out in zip(chosen, outs):
         check(out, want, f"tree {tree}, step attention, {rows} rows, {cat} q{qid}")
     assert calls and max(calls) == rows  # the step attention ran, with every row in one step when batched
+
+
+def test_lossless_with_the_suffix_index_drafting_from_earlier_and_running_requests(loaded, bench_prompts, references):
+    """``auto`` with the cross-request suffix index (tr/suffix_index.py): each prompt twice in a row,
+    so the second request drafts from the first's text, then every prompt twice more in one batch of
+    four rows, where running requests' text drafts for each other; every output is plain decoding's."""
+    llm = LLM(tree="auto", loaded=loaded, max_num_seqs=4, suffix_index=True)
+    assert llm.engine.suffix is not None
+    params = SamplingParams(max_tokens=NEW_TOKENS)
+    first, again = [], []
+    for (cat, qid, ids), want in zip(bench_prompts, references):
+        for mats in (first, again):
+            out = llm.generate([ids], params)[0]
+            check(out, want, f"auto + suffix index, {cat} q{qid}")
+            mats.append(out.stats.mat)
+    print(f"\nauto + suffix index MAT, first {sum(first) / len(first):.2f}, repeated {sum(again) / len(again):.2f}")
+    # a repeated request drafts its whole earlier answer: far more tokens a step than the first time
+    assert sum(again) / len(again) > sum(first) / len(first) + 1.0
+    batch = [ids for _, _, ids in bench_prompts] * 2
+    outs = llm.generate(batch, params)
+    for i, out in enumerate(outs):
+        cat, qid, _ = bench_prompts[i % len(bench_prompts)]
+        check(out, references[i % len(references)], f"auto + suffix index, batched, {cat} q{qid}")

@@ -173,3 +173,12 @@ def test_cli_refuses_too_few_questions_before_loading_a_model(tmp_path, capsys):
     assert "too few questions" in err and "need 32 distinct questions and the pool has 6" in err
     rc = main(["bench", "--concurrency", "1", "--tree", "pld", "--questions", str(path)])
     assert rc == 2 and "measured as the method 'pld'" in capsys.readouterr().err
+
+
+def test_cli_refuses_the_single_stream_workload_and_suffix_options(capsys):
+    from tr_serve.cli import main
+
+    for extra in (["--workload", "multi-turn"], ["--suffix-index", "both", "--tree", "auto"]):
+        rc = main(["bench", "--concurrency", "1", *extra])
+        err = capsys.readouterr().err
+        assert rc == 2 and "single-stream options" in err, extra

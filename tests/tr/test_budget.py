@@ -715,3 +715,80 @@ def test_row_counts_measured_at_start_up_price_unseen_row_counts():
     latency.observe(20, 20, 0.050, width=1)  # what the engine measures then takes over
     assert latency(20, 20, 1) == pytest.approx(0.050)
     assert StepLatency(LatencyTable((1, 64), (1.0, 1.1)))(4, 8, 1) == LatencyTable((1, 64), (1.0, 1.1))(8)
+
+
+def test_a_fixed_node_count_verifies_the_best_estimated_nodes_whatever_they_cost():
+    from tr_serve.tr.budget import _NOT_VERIFIED, choose_fixed_plan
+
+    template = [0.5, 0.3, 0.2, 0.1]
+    apart = ([_NOT_VERIFIED] * 3, [0.6, 0.5, 0.1])  # a branch that merges into no template node
+    # 3 nodes: the branch's first two (0.6 + 0.5) and the template's first (0.5) beat every other split
+    assert choose_fixed_plan(template, [apart, ([], [])], 3) == [(1, 2), (3, 0)]
+    assert choose_fixed_plan(template, [apart], 1) == [(0, 1)]  # the single best node: the branch's first
+    assert choose_fixed_plan(template, [([], [])], 16) == [(4, 0)]  # no more nodes than the template has
+    # a branch token merged into a template node is the branch's, and costs no node of its own
+    merged = ([0, _NOT_VERIFIED, _NOT_VERIFIED], [0.7, 0.4, 0.3])
+    assert choose_fixed_plan(template, [merged], 2) == [(0, 2)]  # 0.7 + 0.4 (n=1 is the same node and 1 more)
+    # node 1 holds the branch's first token (priced 0.7 as the branch's), node 2 (0.8) beats its second (0.4)
+    assert choose_fixed_plan([0.9, 0.8, 0.1, 0.1], [merged], 2) == [(2, 0)]
+    assert choose_fixed_plan([0.9, 0.8, 0.1, 0.1], [merged], 3) == [(2, 1)]
+    # the branchless rows' own estimates, where given
+    assert choose_fixed_plan(template, [([], [])], 2, branchless_rates=[0.1, 0.1, 0.1, 0.1]) == [(2, 0)]
+
+
+def test_the_engine_verifies_the_fixed_node_count_on_every_row_and_step(tokenizer):
+    from tiny_model import tiny_loaded
+    from tr_serve.engine.config import EngineConfig
+    from tr_serve.engine.engine import Engine
+    from tr_serve.sampling_params import SamplingParams
+
+    loaded = tiny_loaded(tokenizer, seed=3, init_range=0.5)
+    prompt = [5, 17, 230, 402, 9, 33, 71, 12, 5, 17, 230]
+    plain = Engine(loaded, EngineConfig(model="tiny", tree="none", max_model_len=128))
+    engine = Engine(loaded, EngineConfig(model="tiny", tree="auto", max_model_len=128))
+    engine.drafter.budget.fixed_nodes = 4
+    outs = {}
+    for name, e in (("plain", plain), ("fixed", engine)):
+        e.add_request(prompt, SamplingParams(max_tokens=40, ignore_eos=True))
+        while e.has_unfinished():
+            outs.update({name: o for o in e.step() if o.finished})
+    assert outs["fixed"].token_ids == outs["plain"].token_ids
+    nodes = outs["fixed"].stats.tree_nodes_per_step
+    assert nodes and set(nodes[:-1]) == {4}  # the last step may be cut by the room left
+
+
+def test_suffix_stats_price_a_token_by_its_vote_match_length_and_agreement():
+    from tr_serve.tr.budget import SuffixStats
+
+    cell = SuffixStats.cell
+    # one occurrence in one is a vote of 0.5; nine of ten 0.82: cells apart
+    assert cell(3, 1, 1, False) != cell(3, 9, 10, False)
+    assert cell(3, 9, 10, False) != cell(12, 9, 10, False) != cell(12, 9, 10, True)
+    assert cell(3, 1, 1, False) == cell(4, 2, 3, False)  # the same vote (0.5) and match bucket (3-4)
+    stats = SuffixStats(decay=1.0, prior_weight=2.0)
+    prior = stats.rates()
+    assert prior[cell(3, 9, 10, False)] > prior[cell(3, 1, 1, False)] > prior[cell(3, 1, 4, False)]
+    strong, weak = cell(12, 9, 10, True), cell(3, 1, 1, False)
+    for _ in range(8):  # strong tokens right, then the weak one after them wrong
+        stats.update([((strong, strong, weak), [True, True, True], [True, True, False])])
+    stats.update([((weak, strong), [True, False], [False, False])])  # the second is not observed: its parent failed
+    assert stats.trials[strong] == 2.0 + 16 and stats.hits[strong] == pytest.approx(2.0 * SuffixStats.VOTE_PRIORS[4] + 16)
+    assert stats.trials[weak] == 2.0 + 9 and stats.hits[weak] == pytest.approx(2.0 * SuffixStats.VOTE_PRIORS[2])
+    rates = stats.path_rates([strong, weak])
+    assert rates[0] == pytest.approx(stats.rates()[strong]) and rates[1] == pytest.approx(rates[0] * stats.rates()[weak])
+
+
+def test_suffix_branches_are_learned_by_suffix_stats_and_other_branches_by_context_stats():
+    from tr_serve.tr.budget import SuffixStats, branch_outcomes, suffix_outcomes
+    from tr_serve.tr.draft import build_draft
+    from tr_serve.tr.verifier import accept_draft
+
+    tree = compile_tree([])
+    roots = torch.tensor([[1], [1]])
+    cells = [SuffixStats.cell(5, 3, 3, False), SuffixStats.cell(5, 2, 3, True)]
+    batch = build_draft(roots, tree, torch.zeros(0, dtype=torch.long), chains=[[10, 11], [20, 21]],
+                        match_lengths=[2, 5], row_nodes=[0, 0], caps=[2, 1], cells=[None, cells])
+    assert batch.branch_cells == ((), tuple(cells))  # the drafted token and the one past the cap
+    acceptance = accept_draft(batch, torch.tensor([[10, 11, 0], [20, 21, 0]]))
+    assert branch_outcomes(batch, acceptance) == [(2, (False, False), [True, True], [True, True])]
+    assert suffix_outcomes(batch, acceptance) == [(tuple(cells), [True, True], [True, True])]

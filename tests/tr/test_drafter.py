@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from tiny_model import tiny_loaded
@@ -154,3 +155,76 @@ def test_pair_table_slots_must_be_a_power_of_two():
 
     with pytest.raises(ValueError, match="power of two"):
         EngineConfig(model="tiny", pair_table_slots=1000)
+
+
+def test_auto_drafts_another_requests_continuation_from_the_suffix_index_within_its_namespace(tokenizer):
+    loaded = tiny_loaded(tokenizer, seed=3, init_range=0.5)
+    prompt = [5, 17, 230, 402, 9, 33, 71, 12]  # no repeated n-gram: the context index finds nothing at first
+    plain = run(Engine(loaded, EngineConfig(model="tiny", tree="none", max_model_len=128)), prompt, 40)
+    engine = Engine(loaded, EngineConfig(model="tiny", tree="auto", max_model_len=128))
+    assert engine.suffix is not None and engine.drafter.suffix is engine.suffix  # auto's default
+    drafts = []
+    spy(engine.drafter, "draft", lambda args, batch: drafts.append(batch))
+    assert run(engine, prompt, 40) == plain
+    assert not any(any(d.branch_cells) for d in drafts)  # nothing else was indexed yet
+    assert engine.suffix.num_documents() == 1 and engine.suffix.num_tokens == len(prompt) + 40
+    drafts.clear()
+    assert run(engine, prompt, 40) == plain  # the same request again: its first answer drafts for it
+    with_suffix = [d for d in drafts if d.branch_cells[0]]
+    assert with_suffix, "the repeated request should take the suffix index's branch"
+    text = prompt + plain
+    for d in with_suffix:
+        assert d.match_lengths[0] >= 3
+        # the branch is the first answer's continuation: the root and the branch are its text
+        walk = [int(d.tokens[0, 0])] + [int(d.tokens[0, c]) for c in d.chain_columns[0]]
+        assert any(text[i : i + len(walk)] == walk for i in range(len(text))), walk
+    stats = engine.drafter.budget.suffix_stats
+    assert stats.trials.sum() > 2 * len(stats.trials)  # observed beyond the priors' weight of 2 per cell
+    # another tenant's identical request never drafts from this text
+    drafts.clear()
+    engine.add_request(prompt, SamplingParams(max_tokens=40, ignore_eos=True), namespace="tenant-b")
+    outs = []
+    while engine.has_unfinished():
+        outs += [o for o in engine.step() if o.finished]
+    assert outs[0].token_ids == plain
+    assert not any(any(d.branch_cells) for d in drafts)
+
+
+def test_the_suffix_index_is_autos_and_holds_at_most_its_token_setting(tokenizer):
+    loaded = tiny_loaded(tokenizer, seed=3, init_range=0.5)
+    config = dict(model="tiny", max_model_len=128)
+    assert Engine(loaded, EngineConfig(tree="2.2.2+ctx", **config)).suffix is None
+    assert Engine(loaded, EngineConfig(tree="pld", **config)).suffix is None
+    assert Engine(loaded, EngineConfig(tree="auto", suffix_index=False, **config)).suffix is None
+    with pytest.raises(ValueError, match="suffix_index"):
+        EngineConfig(tree="2.2.2", suffix_index=True, **config)
+    with pytest.raises(ValueError, match="suffix_index_tokens"):
+        EngineConfig(tree="auto", suffix_index_tokens=0, **config)
+    plain = run(Engine(loaded, EngineConfig(tree="none", **config)), [7, 8, 9, 10], 30)
+    engine = Engine(loaded, EngineConfig(tree="auto", suffix_index_tokens=50, **config))
+    for _ in range(3):
+        assert run(engine, [7, 8, 9, 10], 30) == plain
+        assert engine.suffix.num_tokens <= 50
+    assert engine.suffix.evicted_documents == 2 and engine.suffix.num_documents() == 1
+
+
+def test_a_running_requests_text_drafts_for_a_later_one(tokenizer):
+    loaded = tiny_loaded(tokenizer, seed=3, init_range=0.5)
+    prompt = [5, 17, 230, 402, 9, 33, 71, 12]
+    plain = run(Engine(loaded, EngineConfig(model="tiny", tree="none", max_model_len=128)), prompt, 40)
+    engine = Engine(loaded, EngineConfig(model="tiny", tree="auto", max_model_len=128, max_num_seqs=2))
+    drafts = []
+    spy(engine.drafter, "draft", lambda args, batch: drafts.append(batch))
+    params = SamplingParams(max_tokens=40, ignore_eos=True)
+    first = engine.add_request(prompt, params)
+    outs = {}
+    while not drafts or len(engine.running[0].output_ids) < 20:  # the first request is 20 tokens ahead
+        outs.update({o.request_id: o for o in engine.step() if o.finished})
+    assert not any(any(d.branch_cells) for d in drafts)
+    second = engine.add_request(prompt, params)
+    drafts.clear()
+    while engine.has_unfinished():
+        outs.update({o.request_id: o for o in engine.step() if o.finished})
+    assert outs[first].token_ids == plain and outs[second].token_ids == plain
+    rows = [d.branch_cells[-1] for d in drafts if len(d.branch_cells) == 2]  # the second request's row
+    assert any(rows), "the running request's text should draft for the later one"

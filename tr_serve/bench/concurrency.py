@@ -355,6 +355,8 @@ def execute(args: argparse.Namespace) -> int:
     from tr_serve.cli_args import UsageError, check_model_arg
     from tr_serve.model_loader import load_model
 
+    if getattr(args, "workload", "questions") != "questions" or getattr(args, "suffix_index", "default") != "default":
+        raise UsageError("--workload and --suffix-index are single-stream options: leave them out with --concurrency")
     try:
         for spec in args.trees or ():
             validate_tree(spec, args.k)

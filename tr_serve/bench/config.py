@@ -14,6 +14,7 @@ from tr_serve.engine.config import CPU_KERNEL_MODES, DEFAULT_MODEL
 DEFAULT_JSON = os.path.join("bench_out", "bench.json")
 SEEDING_MODES = ("default", "on", "off", "both")
 PRIOR_MODES = ("on", "off", "both")
+SUFFIX_MODES = ("default", "on", "off", "both")
 
 
 @dataclass
@@ -35,6 +36,10 @@ class BenchConfig:
     time_split: bool = True
     threads: int | None = None  # torch CPU threads; None keeps torch's default
     cpu_kernels: str = "auto"  # EngineConfig.cpu_kernels of every engine method (baseline, tr:*, pld)
+    workload: str = "questions"  # tr_serve/bench/workloads.py
+    # EngineConfig.suffix_index of the tr:* methods that can use it; "both": tr:<tree> as the engine does by
+    # default, and tr:<tree>-nosuffix without it
+    suffix_index: str = "default"
 
     def validate(self) -> None:
         if not isinstance(self.per_category, int) or self.per_category < 1:
@@ -53,6 +58,12 @@ class BenchConfig:
             raise BenchError(f"--prompt-seeding must be one of {', '.join(SEEDING_MODES)}, got {self.prompt_seeding!r}")
         if self.matrix_prior not in PRIOR_MODES:
             raise BenchError(f"--matrix-prior must be one of {', '.join(PRIOR_MODES)}, got {self.matrix_prior!r}")
+        from tr_serve.bench.workloads import WORKLOADS
+
+        if self.workload not in WORKLOADS:
+            raise BenchError(f"--workload must be one of {', '.join(WORKLOADS)}, got {self.workload!r}")
+        if self.suffix_index not in SUFFIX_MODES:
+            raise BenchError(f"--suffix-index must be one of {', '.join(SUFFIX_MODES)}, got {self.suffix_index!r}")
         if not self.trees:
             raise BenchError("give at least one --tree")
         seen = set()
@@ -61,6 +72,12 @@ class BenchConfig:
             if spec.strip() in seen:
                 raise BenchError(f"--tree {spec!r} is given twice")
             seen.add(spec.strip())
+        if self.suffix_index in ("on", "both"):
+            from tr_serve.tr.tree_spec import parse_tree_spec
+
+            if not any(parse_tree_spec(spec).prices_branches for spec in self.trees):
+                raise BenchError(f"--suffix-index {self.suffix_index}: the suffix index drafts under tree 'auto' "
+                                 "only; give --tree auto")
         from tr_serve.model_loader import parse_dtype
 
         try:

@@ -18,6 +18,7 @@ from typing import Any
 
 from tr_serve.bench.config import BenchConfig
 from tr_serve.bench.records import Run
+from tr_serve.tr.tree_spec import parse_tree_spec
 
 HF_PLD_NUM_TOKENS = 10  # transformers' prompt_lookup_num_tokens for hf-pld
 
@@ -29,6 +30,7 @@ class Method:
     tree: str | None = None  # engine tree setting
     prompt_seeding: bool | None = None  # EngineConfig.prompt_seeding (None: the engine's default)
     matrix_prior: bool = True  # EngineConfig.matrix_prior
+    suffix_index: bool | None = None  # EngineConfig.suffix_index (None: the engine's default)
     reference: str = "baseline"  # the method whose tokens/s is the denominator of this one's speedup
     lookup: int = 0  # hf: prompt_lookup_num_tokens, 0 for plain greedy
     llm: Any = None
@@ -50,6 +52,13 @@ def build_methods(cfg: BenchConfig) -> list[Method]:
             methods.append(Method(f"tr:{spec}-noseed", "tr", tree=spec, prompt_seeding=False, matrix_prior=prior))
         if cfg.matrix_prior == "both":
             methods.append(Method(f"tr:{spec}-noprior", "tr", tree=spec, prompt_seeding=seeding, matrix_prior=False))
+        if cfg.suffix_index == "both" and parse_tree_spec(spec).prices_branches:
+            methods.append(Method(f"tr:{spec}-nosuffix", "tr", tree=spec, prompt_seeding=seeding, matrix_prior=prior,
+                                  suffix_index=False))
+    suffix = {"default": None, "on": True, "off": False, "both": None}[cfg.suffix_index]
+    for m in methods:
+        if m.kind == "tr" and m.suffix_index is None and parse_tree_spec(m.tree).prices_branches:
+            m.suffix_index = suffix
     if cfg.pld:
         methods.append(Method("pld", "pld", tree="pld"))
     if cfg.hf:

@@ -7,23 +7,21 @@ from __future__ import annotations
 
 import json
 import sys
-from collections import OrderedDict
 from pathlib import Path
 from typing import Any
 
 from tr_serve.bench.config import BenchConfig, resolve_device
 from tr_serve.bench.methods import HF_PLD_NUM_TOKENS, Method, build_methods, run_method
-from tr_serve.bench.questions import encode_questions
-from tr_serve.bench.records import (BenchError, Question, read_questions, round_floats, select_questions,
-                                    selection_record, warmup_questions)
+from tr_serve.bench.records import BenchError, Question, round_floats, selection_record
 from tr_serve.bench.summary import DEFINITIONS, logit_gap_at, summarize
+from tr_serve.bench.workloads import FollowUp, Workload, build_workload
 
 
 def run_bench(cfg: BenchConfig, loaded=None, progress: bool = True) -> dict:
     """Run the benchmark, write the JSON (and the PNG chart beside it) and return the result."""
     cfg.validate()
-    chosen, rest = select_questions(read_questions(cfg.questions), cfg.per_category)
-    warm = warmup_questions(chosen, rest, cfg.warmup)
+    workload = build_workload(cfg.workload, cfg.questions, cfg.per_category, cfg.warmup)
+    chosen, warm = workload.chosen, workload.warm
     device = resolve_device(cfg.device)
 
     import torch
@@ -33,13 +31,17 @@ def run_bench(cfg: BenchConfig, loaded=None, progress: bool = True) -> dict:
     if loaded is None:
         loaded = _load(cfg, device)
     device = str(next(loaded.model.parameters()).device.type)
-    encode_questions(loaded.tokenizer, chosen + warm)
-    max_model_len = _context_length(loaded, chosen + warm, cfg.max_new_tokens)
+    known = [q for q in chosen + warm if not isinstance(q, FollowUp)]  # a follow-up's prompt needs an answer first
+    for q in known:
+        workload.prepare(q, loaded.tokenizer)
+    # a follow-up holds an earlier prompt or answer and some text of its own
+    extra = 2 * cfg.max_new_tokens + FOLLOW_UP_TOKENS if len(known) < len(chosen) + len(warm) else 0
+    max_model_len = _context_length(loaded, known, cfg.max_new_tokens, extra)
 
     methods = build_methods(cfg)
     _start_engines(methods, cfg, loaded, device, max_model_len)
-    _run_interleaved(methods, loaded, chosen, warm, cfg.max_new_tokens, device, progress)
-    result = round_floats(_result(cfg, loaded, device, methods, chosen, warm))
+    _run_interleaved(methods, loaded, workload, cfg.max_new_tokens, device, progress)
+    result = round_floats(_result(cfg, loaded, device, methods, chosen, warm, workload.categories))
     write_result(result, Path(cfg.json_out))
     return result
 
@@ -53,9 +55,13 @@ def _load(cfg: BenchConfig, device: str):
         raise BenchError(f"cannot load model {cfg.model!r}: {e}".splitlines()[0]) from None
 
 
-def _context_length(loaded, questions: list[Question], max_new_tokens: int) -> int:
-    """The engines' ``max_model_len``: at least 2048, and room for the longest prompt's answer."""
-    longest = max(len(q.prompt_ids) for q in questions)
+FOLLOW_UP_TOKENS = 512  # room for a follow-up request's own text (a second turn, a revision request)
+
+
+def _context_length(loaded, questions: list[Question], max_new_tokens: int, extra: int = 0) -> int:
+    """The engines' ``max_model_len``: at least 2048, and room for the longest prompt (``extra``
+    tokens more, for prompts not encoded yet) and its answer."""
+    longest = max(len(q.prompt_ids) for q in questions) + extra
     max_pos = getattr(loaded.model.config, "max_position_embeddings", None) or 1 << 30
     max_model_len = max(2048, longest + max_new_tokens + 1)
     if max_model_len > max_pos:
@@ -77,19 +83,21 @@ def _start_engines(methods: list[Method], cfg: BenchConfig, loaded, device: str,
             m.llm = LLM(model=cfg.model, tree=m.tree, k=cfg.k, loaded=loaded, max_num_seqs=1,
                         max_model_len=max_model_len, prompt_seeding=m.prompt_seeding,
                         matrix_prior=m.matrix_prior, device=device,
-                        cpu_kernels=cfg.cpu_kernels)
+                        cpu_kernels=cfg.cpu_kernels, suffix_index=m.suffix_index)
         except ValueError as e:  # a tree setting the engine refuses
             raise BenchError(f"method {m.name}: {e}") from None
         if cfg.time_split:
             m.llm.engine.timer = PhaseTimer(device, enabled=True)
 
 
-def _run_interleaved(methods: list[Method], loaded, chosen: list[Question], warm: list[Question],
-                     max_new_tokens: int, device: str, progress: bool) -> None:
+def _run_interleaved(methods: list[Method], loaded, workload: Workload, max_new_tokens: int, device: str,
+                     progress: bool) -> None:
     """The warm-up questions untimed, then every measured question by every method in turn (each
-    method's runs appended to ``Method.runs``)."""
+    method's runs appended to ``Method.runs``); a follow-up request is encoded once the baseline
+    (the first method) has answered the request it quotes."""
     from tqdm import tqdm
 
+    chosen, warm = workload.chosen, workload.warm
     total = (len(warm) + len(chosen)) * len(methods)
     bar = tqdm(total=total, desc="bench", unit="run", file=sys.stderr, disable=not progress, dynamic_ncols=True)
     try:
@@ -102,21 +110,23 @@ def _run_interleaved(methods: list[Method], loaded, chosen: list[Question], warm
             if m.llm is not None:
                 m.llm.engine.timer.reset()
         for q in chosen:
+            workload.prepare(q, loaded.tokenizer)
             for m in methods:
                 bar.set_postfix_str(f"q{q.question_id} {q.category} {m.name}", refresh=False)
                 m.runs.append(run_method(m, loaded, q, max_new_tokens, device))
+                if m.kind == "baseline":
+                    workload.answered(q, m.runs[-1].token_ids, loaded.tokenizer)
                 bar.update(1)
     finally:
         bar.close()
 
 
 def _result(cfg: BenchConfig, loaded, device: str, methods: list[Method], chosen: list[Question],
-            warm: list[Question]) -> dict[str, Any]:
+            warm: list[Question], categories: list[str]) -> dict[str, Any]:
     """The JSON: the run's settings and environment, and per method its summary, phase split,
     template record and, for each question that left its reference, the logit gap there."""
     from tr_serve.bench.provenance import environment, template_record
 
-    categories = list(OrderedDict.fromkeys(q.category for q in chosen))
     summary = summarize(methods, categories)
     by_name = {m.name: m for m in methods}
     position = {q.question_id: i for i, q in enumerate(chosen)}
@@ -137,10 +147,12 @@ def _result(cfg: BenchConfig, loaded, device: str, methods: list[Method], chosen
         "device_name": device_name(device),
         "dtype": str(next(loaded.model.parameters()).dtype).replace("torch.", ""),
         **selection_record(cfg.questions, chosen, warm, categories),
+        "workload": cfg.workload,
         "max_new_tokens": cfg.max_new_tokens,
         "per_category": cfg.per_category,
         "prompt_seeding": cfg.prompt_seeding,
         "matrix_prior": cfg.matrix_prior,
+        "suffix_index": cfg.suffix_index,
         "k": cfg.k,
         "hf_pld_num_tokens": HF_PLD_NUM_TOKENS if cfg.hf else None,
         **environment(base_llm.engine.runner.kernel_plan, cfg.cpu_kernels),

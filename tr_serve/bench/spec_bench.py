@@ -13,9 +13,10 @@ import sys
 from pathlib import Path
 from typing import Sequence
 
-from tr_serve.bench.config import DEFAULT_JSON, SEEDING_MODES, BenchConfig
+from tr_serve.bench.config import DEFAULT_JSON, SEEDING_MODES, SUFFIX_MODES, BenchConfig
 from tr_serve.bench.questions import DEFAULT_QUESTIONS
 from tr_serve.bench.records import BenchError
+from tr_serve.bench.workloads import WORKLOADS
 from tr_serve.cli_args import non_negative_int, positive_int, run_standalone
 from tr_serve.engine.config import CPU_KERNEL_MODES, DEFAULT_MODEL
 
@@ -41,6 +42,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--matrix-prior", choices=("on", "off", "both"), default="on",
                    help="start each tr:* matrix from the model's own top-k after [BOS, token] (as the engine does "
                         "by default), without it, or 'both': tr:<tree> with it and tr:<tree>-noprior without (default: on)")
+    p.add_argument("--suffix-index", choices=SUFFIX_MODES, default="default",
+                   help="the cross-request suffix index of tr:auto: as the engine does by default, forced on or off, "
+                        "or 'both': tr:<tree> as by default and tr:<tree>-nosuffix without it (default: default)")
+    p.add_argument("--workload", choices=WORKLOADS, default="questions",
+                   help="questions: each question's first turn; multi-turn: the questions with a second turn, each "
+                        "as turn 1 then turn 2 after turn 1's answer; code-revision: each coding question, then "
+                        "requests that hand its code back with one change (tr_serve/bench/workloads.py; default: "
+                        "questions)")
     p.add_argument("--cpu-kernels", choices=CPU_KERNEL_MODES, default="auto",
                    help="linear kernels of the engine methods (baseline, tr:*, pld) on CPU: the fastest measured "
                         "per token count, or torch's own (default: auto; hf-* always run torch's own)")
@@ -65,7 +74,7 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         trees=tuple(args.trees or ("2.2.2",)), model=args.model, json_out=args.json_out,
         prompt_seeding=args.prompt_seeding, matrix_prior=args.matrix_prior, pld=args.pld, hf=args.hf,
         warmup=args.warmup, device=args.device, dtype=args.dtype, k=args.k, time_split=args.time_split,
-        threads=args.threads, cpu_kernels=args.cpu_kernels,
+        threads=args.threads, cpu_kernels=args.cpu_kernels, workload=args.workload, suffix_index=args.suffix_index,
     )
 
 

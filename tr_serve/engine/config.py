@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 from tr_serve.model_loader import EMBEDDED_ALIAS
 from tr_serve.tr.pair_table import DEFAULT_SLOTS
+from tr_serve.tr.suffix_index import DEFAULT_CAPACITY
 from tr_serve.tr.tree_spec import DEFAULT_TREE_SETTING, is_plain, parse_tree_spec
 
 # the model tr_serve serves when none is named: the embedded SmolLM2-135M-Instruct (model_loader.py)
@@ -39,6 +40,12 @@ class EngineConfig:
     # paper's method) do not (Engine.uses_pairs); pair_table_slots: the table's size, a power of two
     pair_table: bool | None = None
     pair_table_slots: int = DEFAULT_SLOTS
+    # the cross-request suffix index (tr/suffix_index.py): other requests' prompts and outputs draft
+    # a branch the budget prices beside the context's. None = ``auto`` uses it (Engine.uses_suffix),
+    # ``true``/``false`` force it (``auto`` only: the other trees have no budget to price it);
+    # suffix_index_tokens: the tokens it holds over all namespaces, the oldest requests' evicted past it
+    suffix_index: bool | None = None
+    suffix_index_tokens: int = DEFAULT_CAPACITY
     # start the matrix's empty rows from the model's own top-k after [BOS, token]
     # (runner/matrix_prior.py: computed once per model, then read from the user cache); in-process
     # runners only (a tensor-parallel replica starts from the fleet's snapshot)
@@ -62,14 +69,19 @@ class EngineConfig:
             raise ValueError(f"cpu_kernels must be 'auto' or 'torch', got {self.cpu_kernels!r}")
         if self.pair_table_slots < 1 or self.pair_table_slots & (self.pair_table_slots - 1):
             raise ValueError(f"pair_table_slots must be a power of two, got {self.pair_table_slots}")
+        if self.suffix_index_tokens < 1:
+            raise ValueError(f"suffix_index_tokens must be >= 1, got {self.suffix_index_tokens}")
         if self.max_prefill_tokens < 1:
             raise ValueError(f"max_prefill_tokens must be >= 1, got {self.max_prefill_tokens}")
         if self.kv_cache_memory_gb is not None and self.kv_cache_memory_gb <= 0:
             raise ValueError(f"kv_cache_memory_gb must be > 0, got {self.kv_cache_memory_gb}")
         try:
-            parse_tree_spec(self.tree, self.budget)
+            spec = parse_tree_spec(self.tree, self.budget)
         except ValueError as e:
             raise ValueError(str(e)) from None
+        if self.suffix_index and not spec.prices_branches:
+            raise ValueError(f"suffix_index needs tree 'auto' (its branch is priced by the cost-aware budget), "
+                             f"got tree {self.tree!r}")
         if self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
         if isinstance(self.device, str) and not DEVICE.match(self.device):

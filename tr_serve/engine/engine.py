@@ -34,6 +34,7 @@ from tr_serve.tr.draft import DraftBatch
 from tr_serve.tr.drafter import Drafter
 from tr_serve.tr.matrix import EMPTY, AdjacencyMatrix, last_occurrences
 from tr_serve.tr.pair_table import PairTable
+from tr_serve.tr.suffix_index import DEFAULT_NAMESPACE, SuffixIndex
 from tr_serve.tr.tree import compile_tree, load_template
 from tr_serve.tr.tree_spec import parse_tree_spec
 from tr_serve.tr.verifier import accept_draft, choices_grid
@@ -82,6 +83,8 @@ class Engine:
             self._seed_prior(loaded, vocab)
         self.pairs = (PairTable(vocab, config.k, config.pair_table_slots, device=self.matrix.device)
                       if self.uses_pairs else None)
+        # the prompts and outputs of this replica's requests, drafting for the others (tr/suffix_index.py)
+        self.suffix = SuffixIndex(config.suffix_index_tokens) if self.uses_suffix else None
         self.timer = timer or PhaseTimer(self.runner.device, enabled=False)
         self.drafter: Drafter | None = None
         if not self.spec.plain:
@@ -92,7 +95,7 @@ class Engine:
                 max_q = self.num_rows * (scratch + 1)
                 recycle_k = config.k if self.spec.uses_matrix else 0
                 latency = StepLatency(load_or_measure(self.runner, loaded.model_id, max_q, recycle_k))
-            self.drafter = Drafter(self.spec, template, self.matrix, latency, self.pairs)
+            self.drafter = Drafter(self.spec, template, self.matrix, latency, self.pairs, self.suffix)
         self.scheduler = Scheduler(self.num_rows, config.max_prefill_tokens)
 
     def _seed_prior(self, loaded: LoadedModel, vocab: int) -> None:
@@ -134,10 +137,13 @@ class Engine:
             self.runner.shutdown()
 
     # ---- requests -------------------------------------------------------------------------
-    def add_request(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None) -> str:
+    def add_request(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None,
+                    namespace: str = DEFAULT_NAMESPACE) -> str:
+        """``namespace``: the request's tenant; the suffix index drafts for it from the text of
+        requests of the same namespace only."""
         check_prompt(prompt_ids, self.config.max_model_len)
         req = Request(request_id or f"req-{next(_ids)}", list(prompt_ids), params,
-                      IncrementalDetokenizer(self.tokenizer))
+                      IncrementalDetokenizer(self.tokenizer), namespace=namespace)
         self.scheduler.add(req)  # ValueError for an id in use, before anything else is made for it
         if not params.greedy:
             req.sampler = RowSampler(params.temperature, params.top_k, params.top_p, request_seed(params.seed))
@@ -158,6 +164,8 @@ class Engine:
         for req in self.scheduler.admit():
             if self.drafter is not None:
                 req.context = self.drafter.new_context_index()
+            if self.suffix is not None:
+                req.suffix_doc = self.suffix.open(req.namespace)
         if self.scheduler.prefill_turn():
             batch = self._prefill(self.scheduler.prefill_chunks())
             batch = [r for r in batch if r.output_ids]  # only requests whose prompt is complete
@@ -171,6 +179,9 @@ class Engine:
         return outputs
 
     def _retire(self, done: list[Request]) -> None:
+        if self.suffix is not None:
+            for req in done:  # the tokens of its last step, which no draft has synced
+                self._sync_suffix(req)
         for row in self.scheduler.retire(done):
             self.runner.free(row)
 
@@ -226,6 +237,15 @@ class Engine:
         return self.config.prompt_seeding
 
     @property
+    def uses_suffix(self) -> bool:
+        """Whether the cross-request suffix index (tr/suffix_index.py) drafts a branch beside each
+        row's context. By default ``auto`` does; ``suffix_index: false`` turns it off. Only under the
+        cost-aware budget, which prices its branch (EngineConfig refuses it elsewhere)."""
+        if not self.spec.prices_branches:
+            return False
+        return True if self.config.suffix_index is None else self.config.suffix_index
+
+    @property
     def uses_pairs(self) -> bool:
         """Whether the drafts also come from the pair table (tr/pair_table.py). By default the
         fixed hybrid templates' do (``<template>+ctx``: MAT 2.68 -> 2.89 for ``2.2.2+ctx``, 1.89 ->
@@ -255,7 +275,25 @@ class Engine:
             room = [min(r.params.max_tokens - len(r.output_ids),
                         self.config.max_model_len - len(r.prompt_ids) - len(r.output_ids)) for r in batch]
         before = torch.tensor([r.token_before_last for r in batch]) if self.pairs is not None else None
-        return self.drafter.draft(roots, contexts, room, before)
+        documents = None
+        if self.suffix is not None:
+            documents = [self._sync_suffix(r) for r in batch]
+        return self.drafter.draft(roots, contexts, room, before, documents)
+
+    def _sync_suffix(self, req: Request) -> int | None:
+        """The request's suffix-index document, caught up with its prompt and output (None when it
+        has none: admitted before the index, or never admitted)."""
+        doc = req.suffix_doc
+        if doc is None:
+            return None
+        p, fed = len(req.prompt_ids), req.suffix_fed
+        if fed < p:
+            self.suffix.extend(doc, req.prompt_ids[fed:])
+            fed = p
+        if fed - p < len(req.output_ids):
+            self.suffix.extend(doc, req.output_ids[fed - p :])
+        req.suffix_fed = p + len(req.output_ids)
+        return doc
 
     @staticmethod
     def _synced_context(req: Request):

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 from tr_serve.engine.detokenizer import IncrementalDetokenizer
 from tr_serve.sampling_params import SamplingParams
 from tr_serve.tr.context_index import ContextIndex
+from tr_serve.tr.suffix_index import DEFAULT_NAMESPACE
 
 if TYPE_CHECKING:  # the scheduler imports this file and stays torch-free
     import torch
@@ -66,6 +67,9 @@ class Request:
     text: str = ""  # output text, cut at a stop string
     sampler: "RowSampler | None" = None  # how a sampled request draws (its seed included); None: greedy
     context: ContextIndex | None = None  # prompt + output index of the context branch (tr/context_index.py)
+    namespace: str = DEFAULT_NAMESPACE  # the tenant: its text drafts for requests of the same namespace only
+    suffix_doc: int | None = None  # its document in the engine's suffix index (tr/suffix_index.py)
+    suffix_fed: int = 0  # prompt + output tokens handed to that document so far
     _sent_chars: int = 0
     _sent_tokens: int = 0
 

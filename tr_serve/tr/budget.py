@@ -156,6 +156,71 @@ class ContextStats:
         self._rates = None
 
 
+class SuffixStats:
+    """Acceptance of suffix-index branch tokens (tr/suffix_index.py), by the index's own evidence
+    for each token: decayed counts of "this token was the model's choice, given the ones before it
+    were" (conditional, observed as for :class:`ContextStats`), per *cell* of
+
+    * the vote: of the ``support`` occurrences of the matched suffix that reached this depth,
+      ``count`` went on with the token; ``count / (support + 1)`` (so one occurrence in one is
+      0.5, nine in ten 0.82: a lone occurrence is weak evidence, however unanimous),
+    * the match length (longer shared suffixes continue alike more often),
+    * whether the matrix's first candidate agreed (as :class:`ContextStats`: two predictors that
+      agree are right more often).
+
+    Why not offsets, as the context branch's: the vote is measured at each depth, and the depth
+    is what the offset stood for there (a continuation that many occurrences share stays shared).
+    Each cell starts at its vote's midpoint."""
+
+    VOTE_EDGES = (0.3, 0.5, 0.65, 0.8)  # vote buckets [0, .3), [.3, .5), [.5, .65), [.65, .8), [.8, 1]
+    VOTE_PRIORS = (0.15, 0.4, 0.57, 0.72, 0.88)
+    MATCH_EDGES = (5, 8, 12)  # match buckets 3-4, 5-7, 8-11, 12+ tokens
+
+    def __init__(self, decay: float = 0.995, prior_weight: float = 2.0):
+        self.decay = decay
+        nv, nm = len(self.VOTE_EDGES) + 1, len(self.MATCH_EDGES) + 1
+        prior = np.repeat(np.asarray(self.VOTE_PRIORS, dtype=np.float64), nm * 2)  # cell = (vote, match, agreed)
+        self.hits = prior * prior_weight
+        self.trials = np.full(nv * nm * 2, prior_weight, dtype=np.float64)
+        self._rates: list[float] | None = None
+
+    @classmethod
+    def cell(cls, match: int, count: int, support: int, agreed: bool) -> int:
+        """The cell of a token ``count`` of ``support`` occurrences went on with, after a suffix
+        match of ``match`` tokens; ``agreed``: the matrix's first candidate is that token."""
+        vote = bisect.bisect_right(cls.VOTE_EDGES, count / (support + 1))
+        length = bisect.bisect_right(cls.MATCH_EDGES, match)
+        return (vote * (len(cls.MATCH_EDGES) + 1) + length) * 2 + (1 if agreed else 0)
+
+    def rates(self) -> list[float]:
+        """Conditional acceptance per cell."""
+        if self._rates is None:
+            self._rates = (self.hits / np.maximum(self.trials, 1e-12)).tolist()
+        return self._rates
+
+    def path_rates(self, cells: Sequence[int]) -> list[float]:
+        """p_j: probability that the first j+1 branch tokens (of these cells) are all accepted."""
+        q = self.rates()
+        p, acc = [], 1.0
+        for c in cells:
+            acc *= q[c]
+            p.append(acc)
+        return p
+
+    def update(self, outcomes: list[tuple[Sequence[int], list[bool], list[bool]]]) -> None:
+        """Per row with a suffix branch: (cells, observed per offset, accepted per offset)."""
+        hits, trials = self.hits, self.trials
+        hits *= self.decay
+        trials *= self.decay
+        for cells, observed, accepted in outcomes:
+            for c, seen, ok in zip(cells, observed, accepted):
+                if not seen:
+                    break
+                trials[c] += 1.0
+                hits[c] += float(ok)
+        self._rates = None
+
+
 @dataclass(frozen=True)
 class LatencyTable:
     """Forward latency (seconds) by total query tokens in the step, linearly interpolated, measured
@@ -456,6 +521,35 @@ def choose_plan(template_rates: list[float], chains: list[tuple[list[int], list[
     return plan
 
 
+def choose_fixed_plan(template_rates: list[float], chains: list[tuple[list[int], list[float]]], nodes: int,
+                      branchless_rates: list[float] | None = None) -> list[tuple[int, int]]:
+    """Per row, (template nodes n, branch cap L) that verify ``nodes`` drafted nodes (fewer only when
+    the template and the branch have fewer) with the most expected accepted drafts, arguments as in
+    :func:`choose_plan`: the ranking of the cost-aware budget at a fixed node count, whatever the
+    step costs. Why: what better first nodes are worth is their MAT at 1, 2, 4, 8 or 16 verified
+    nodes, which a cost-aware plan (a count of its own each step) does not show."""
+    cum_t = _cumulative(template_rates)
+    cum_b = cum_t if branchless_rates is None else _cumulative(branchless_rates)
+    most = min(nodes, len(template_rates))
+    plans = []
+    for merge_pos, rates in chains:
+        if not rates:
+            plans.append((most, 0))
+            continue
+        cum = _cumulative(rates)
+        best, pick, m = -1.0, (0, 0), 0
+        for n in range(most + 1):
+            while m < len(merge_pos) and merge_pos[m] < n:
+                m += 1
+            extra = min(nodes - n, len(rates) - m)
+            merged = sum(template_rates[pos] for pos in merge_pos[:m])
+            gain = cum_t[n] - merged + cum[m + extra]
+            if gain > best + 1e-12:
+                best, pick = gain, (n, extra)
+        plans.append(pick)
+    return plans
+
+
 _NOT_VERIFIED = 1 << 30  # merge position of a branch token that no template node holds
 # Lean steps (TreeBudget.lean_next): when fewer than LEAN_BELOW of the recent plans (a moving
 # average with weight 1 - LEAN_DECAY per plan) bought a template node, steps plan the context
@@ -502,6 +596,7 @@ class TreeBudget:
         # so pricing them with every row's rates bought nodes that did not pay
         self.branchless = AcceptanceStats(template)
         self.context_stats = ContextStats(context_tokens) if context_tokens else None
+        self.suffix_stats = SuffixStats()  # branches from the cross-request suffix index, where the drafter has one
         self.node_candidates = tuple(sorted({c for c in node_candidates if c < n} | {n}))
         self.chain_caps = chain_caps if self.context_stats is not None else (0,)
         self.explore_every = explore_every
@@ -511,6 +606,9 @@ class TreeBudget:
         self.order_version = 0  # bumped when the order changes (subtrees built from it are stale)
         self._set_order(list(range(1, n + 1)))  # template nodes in the order a row adds them
         self.steps = 0
+        # None: each step's node count is the plan's; a count: every row verifies that many drafted nodes,
+        # the best estimated (choose_fixed_plan), to measure what the ranking is worth at that count
+        self.fixed_nodes: int | None = None
         # the template's and the branches' rates are calibrated apart: their estimates are biased by
         # different amounts (measured at 4 rows on 16 dev questions, one calibration for both: 0.70
         # of the template nodes' expected drafts accepted, 0.92 of the branch tokens')
@@ -533,7 +631,7 @@ class TreeBudget:
         explorations) stays a full plan, so the template's acceptance keeps being observed and
         plans that buy nodes that pay end the lean steps."""
         step = self.steps + 1
-        if step % self.explore_every == self.explore_every // 2:
+        if step % self.explore_every == self.explore_every // 2 or self.fixed_nodes is not None:
             return False
         return self.template_use < LEAN_BELOW or self.template_host > self.template_share * self.step_seconds
 
@@ -551,18 +649,26 @@ class TreeBudget:
         """The drafter's time for one step's plan (the template drafted and walked, on a full plan)."""
         self._host[full] = _host_average(self._host.get(full), seconds)
 
-    def _branch_rates(self, chain: list[int], match: int, agreed: Sequence[bool] | None) -> list[float]:
+    def branch_rates(self, chain: list[int], match: int, agreed: Sequence[bool] | None,
+                     cells: Sequence[int] | None = None) -> list[float]:
+        """Path rates of a row's branch: a suffix-index branch's by its tokens' ``cells``
+        (:class:`SuffixStats`), any other by its match length and the matrix's agreement
+        (:class:`ContextStats`)."""
         if not (self.context_stats and chain):
             return []
+        if cells:
+            return self.suffix_stats.path_rates(cells[: len(chain)])
         return self.context_stats.path_rates(match, agreed if agreed is not None else [False] * len(chain))
 
     def plan_branches(self, chains: list[list[int]], matches: list[int],
-                      agreements: list[Sequence[bool]] | None = None) -> list[tuple[int, int]]:
+                      agreements: list[Sequence[bool]] | None = None,
+                      cells: list[Sequence[int] | None] | None = None) -> list[tuple[int, int]]:
         """A lean step's plan: per row (0, branch cap), the context branches priced as in
         :meth:`plan`, with no template drafted (so none walked, and none observed afterwards)."""
         self.steps += 1
         agreements = agreements or [None] * len(chains)
-        chain_info = [([_NOT_VERIFIED] * len(chain), self._branch_rates(chain, matches[r], agreements[r]))
+        cells = cells or [None] * len(chains)
+        chain_info = [([_NOT_VERIFIED] * len(chain), self.branch_rates(chain, matches[r], agreements[r], cells[r]))
                       for r, chain in enumerate(chains)]
         explore = self.steps % self.explore_every == 0
         plans = choose_plan([], _scaled(chain_info, self.branch_calibration.scale), self.latency, (0,),
@@ -572,7 +678,8 @@ class TreeBudget:
 
     def plan(self, roots: list[int], successors: Callable[[int, int], Sequence[int]], chains: list[list[int]],
              matches: list[int], before: list[int] | None = None,
-             agreements: list[Sequence[bool]] | None = None) -> list[tuple[int, int]]:
+             agreements: list[Sequence[bool]] | None = None,
+             cells: list[Sequence[int] | None] | None = None) -> list[tuple[int, int]]:
         """Per row, (template nodes, branch cap) for the most expected tokens per second.
         roots[r]: row r's last accepted token; successors(before, token): the candidates drafted
         after a token whose previous token is ``before`` (the template node of rank k under a node
@@ -580,8 +687,10 @@ class TreeBudget:
         r's retrieved branch; matches[r]: the n-gram match length that found it; before[r]: the
         token before row r's root (-1, the default, when none is known); agreements[r]: per token of
         row r's branch, whether the matrix's first candidate of the token before it is that token
-        (:class:`ContextStats`; None: it agreed with none)."""
+        (:class:`ContextStats`; None: it agreed with none); cells[r]: for a branch from the suffix
+        index, its tokens' :class:`SuffixStats` cells (None: another kind of branch)."""
         agreements = agreements or [None] * len(chains)
+        cells = cells or [None] * len(chains)
         self.steps += 1
         explore = self.steps % self.explore_every == 0
         branchless = not any(chains) and not explore and self.steps % self.reorder_every != 0
@@ -611,10 +720,13 @@ class TreeBudget:
                 merge_pos.append(position[nxt])
                 node, prev, drafted = nxt, drafted, tok
             merge_pos += [_NOT_VERIFIED] * (len(chain) - len(merge_pos))
-            chain_info.append((merge_pos, self._branch_rates(chain, matches[r], agreements[r])))
+            chain_info.append((merge_pos, self.branch_rates(chain, matches[r], agreements[r], cells[r])))
         scaled = _scaled(chain_info, self.branch_calibration.scale)
-        plans = choose_plan([p * scale for p in order_rates], scaled, self.latency, self.node_candidates,
-                            self.chain_caps, explore, [p * scale for p in branchless_rates])
+        if self.fixed_nodes is not None:
+            plans = choose_fixed_plan(order_rates, chain_info, self.fixed_nodes, branchless_rates)
+        else:
+            plans = choose_plan([p * scale for p in order_rates], scaled, self.latency, self.node_candidates,
+                                self.chain_caps, explore, [p * scale for p in branchless_rates])
         self._expected = plan_gains(order_rates, chain_info, plans, branchless_rates)
         if branchless:
             self._branchless_plans[len(chains)] = (self.order_version, self.steps, list(plans), self._expected)
@@ -679,6 +791,8 @@ class TreeBudget:
             self._template_learning = _host_average(self._template_learning, time.perf_counter() - t0)
         if self.context_stats is not None:
             self.context_stats.update(branch_outcomes(batch, acceptance))
+            if batch.branch_cells and any(batch.branch_cells):
+                self.suffix_stats.update(suffix_outcomes(batch, acceptance))
 
 
 def _host_average(old: float | None, seconds: float) -> float:
@@ -713,14 +827,32 @@ def branch_outcomes(batch: "DraftBatch", acceptance: "Acceptance"
     estimate learned from verified tokens alone cannot recover once it is low. Measured at 8
     concurrent rows on the dev questions: offsets 2-4 of 2-token matches were estimated at 0.03-0.12
     (path rates) while 0.15-0.30 of them were right, and the budget had stopped drafting them."""
-    nexts = batch.chain_next
-    rows = [r for r, m in enumerate(batch.match_lengths) if m > 0]  # a match always retrieves a token
+    suffix = batch.branch_cells or ((),) * len(batch.match_lengths)
+    # a match always retrieves a token; suffix-index branches are SuffixStats' (suffix_outcomes)
+    rows = [r for r, m in enumerate(batch.match_lengths) if m > 0 and not suffix[r]]
+    return [(batch.match_lengths[r], batch.chain_agreement[r], seen, right)
+            for r, (seen, right) in zip(rows, _branch_observations(batch, acceptance, rows))]
+
+
+def suffix_outcomes(batch: "DraftBatch", acceptance: "Acceptance") -> list[tuple[tuple[int, ...], list[bool], list[bool]]]:
+    """Per row with a suffix-index branch, (its tokens' SuffixStats cells, observed per offset,
+    accepted per offset), observed as :func:`branch_outcomes` observes the context branches."""
+    rows = [r for r, cells in enumerate(batch.branch_cells) if cells]
+    return [(batch.branch_cells[r], seen, right)
+            for r, (seen, right) in zip(rows, _branch_observations(batch, acceptance, rows))]
+
+
+def _branch_observations(batch: "DraftBatch", acceptance: "Acceptance", rows: list[int]
+                         ) -> list[tuple[list[bool], list[bool]]]:
+    """Per row of ``rows``, (observed, accepted) per offset of its branch: the tokens it verified,
+    then ``batch.chain_next`` when every verified one was accepted."""
     if not rows:
         return []
+    nexts = batch.chain_next
     ok = acceptance.accepted_mask.tolist()
     choices = acceptance.choices.tolist()
     parents = batch.parents.tolist()
-    outcomes = []
+    out = []
     for r in rows:
         cols = batch.chain_columns[r]
         seen = [ok[r][parents[r][c]] for c in cols]
@@ -729,8 +861,8 @@ def branch_outcomes(batch: "DraftBatch", acceptance: "Acceptance"
             last = cols[-1] if cols else 0  # the root is always accepted
             seen.append(ok[r][last])
             right.append(ok[r][last] and choices[r][last] == nexts[r])
-        outcomes.append((batch.match_lengths[r], batch.chain_agreement[r], seen, right))
-    return outcomes
+        out.append((seen, right))
+    return out
 
 
 def node_outcomes(tree: CompiledTree, batch: "DraftBatch", acceptance: "Acceptance"

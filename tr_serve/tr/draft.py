@@ -36,6 +36,9 @@ class DraftBatch:
     match_lengths   per row, the n-gram match length that retrieved the branch (0: none)
     chain_agreement per row, for each branch token drafted and ``chain_next``: whether the matrix's
                     first candidate of the token before it is that token (tr/budget.py ContextStats)
+    branch_cells    per row whose branch came from the cross-request suffix index, the
+                    tr/budget.py SuffixStats cell of each branch token drafted and ``chain_next``;
+                    () for any other row (its branch is priced by ContextStats)
     max_depth       the deepest node of any row
     lengths         [b] real inputs per row (root included; padding follows them), None when no
                     row is padded: the runner packs rows by it, so padding costs no compute
@@ -55,6 +58,7 @@ class DraftBatch:
     before_roots: torch.Tensor | None = None  # [b] the token before each root, where a pair table drafted (-1: none)
     chain_next: tuple[int, ...] = ()  # per row (build_draft always sets it)
     chain_agreement: tuple[tuple[bool, ...], ...] = ()  # per row (build_draft always sets it)
+    branch_cells: tuple[tuple[int, ...], ...] = ()  # per row (build_draft always sets it)
 
     @property
     def num_nodes(self) -> int:
@@ -106,14 +110,16 @@ class DraftBatch:
 def build_draft(template_tokens: torch.Tensor, tree: CompiledTree, template_nodes: torch.Tensor,
                 chains: list[list[int]] | None = None, match_lengths: list[int] | None = None,
                 row_nodes: list[int] | None = None, caps: list[int] | None = None,
-                agreements: list[Sequence[bool]] | None = None) -> DraftBatch:
+                agreements: list[Sequence[bool]] | None = None,
+                cells: list[Sequence[int] | None] | None = None) -> DraftBatch:
     """template_tokens [b, n+1]: the root and the drafted tokens of ``tree``'s n nodes (which are
     the full template's nodes ``template_nodes``); row_nodes[r]: row r verifies only the first
     row_nodes[r] of them (parents come before children, so a prefix is a tree; default: all);
     chains: per row, a retrieved continuation of the root (may be empty), hung under the root
     through the row's template nodes while the tokens agree, the rest (at most caps[r] tokens;
     default: all) as one chain right after the row's template columns; agreements[r]: per token of
-    chains[r], whether the matrix agreed with it (default: never)."""
+    chains[r], whether the matrix agreed with it (default: never); cells[r]: per token of a branch
+    drawn from the suffix index, its SuffixStats cell (None, or no ``cells``: another kind)."""
     b, width = template_tokens.shape
     n = width - 1
     chains = chains or [[] for _ in range(b)]
@@ -123,6 +129,7 @@ def build_draft(template_tokens: torch.Tensor, tree: CompiledTree, template_node
     chain_cols: list[tuple[int, ...]] = []
     chain_next: list[int] = []
     chain_agreement: list[tuple[bool, ...]] = []
+    branch_cells: list[tuple[int, ...]] = []
     host = template_tokens.cpu().numpy() if any(chains) else None  # one copy to the host, read by both walks
     rows_tokens = host.tolist() if host is not None else None
     for r, chain in enumerate(chains):
@@ -141,6 +148,8 @@ def build_draft(template_tokens: torch.Tensor, tree: CompiledTree, template_node
         observed = min(drafted + 1, len(chain))  # the drafted tokens and chain_next
         chain_agreement.append(tuple(bool(a) for a in agreements[r][:observed]) if agreements is not None
                                else (False,) * observed)
+        row_cells = cells[r] if cells is not None else None
+        branch_cells.append(tuple(int(c) for c in row_cells[:observed]) if row_cells else ())
     lengths = [1 + row_nodes[r] + len(extras[r][1]) for r in range(b)]
     q = max(lengths)
     parents_1d = tree.parents.clamp(min=0)
@@ -148,7 +157,8 @@ def build_draft(template_tokens: torch.Tensor, tree: CompiledTree, template_node
     if all(k == n and not rest for k, (_, rest) in zip(row_nodes, extras)):  # every row: the whole tree, nothing else
         return DraftBatch(template_tokens, parents_1d[None].expand(b, width).clone(), tree.depths, tree.mask,
                           template_nodes, tuple(row_nodes), tuple(chain_cols), tuple(match_lengths),
-                          tree.max_depth, chain_next=tuple(chain_next), chain_agreement=tuple(chain_agreement))
+                          tree.max_depth, chain_next=tuple(chain_next), chain_agreement=tuple(chain_agreement),
+                          branch_cells=tuple(branch_cells))
     # the template columns of every row at once (a prefix of the tree, cut to the row's w = row_nodes + 1),
     # in numpy: a step builds a few [b, q] tables and each torch call on them costs several microseconds
     drafted = host if host is not None else template_tokens.cpu().numpy()
@@ -189,4 +199,4 @@ def build_draft(template_tokens: torch.Tensor, tree: CompiledTree, template_node
     tokens, parents, depths, mask = (torch.from_numpy(a) for a in (tokens, parents, depths, mask))
     return DraftBatch(tokens, parents, depths, mask, template_nodes, tuple(row_nodes), tuple(chain_cols),
                       tuple(match_lengths), max_depth, lengths=packed, chain_next=tuple(chain_next),
-                      chain_agreement=tuple(chain_agreement))
+                      chain_agreement=tuple(chain_agreement), branch_cells=tuple(branch_cells))

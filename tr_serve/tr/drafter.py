@@ -11,11 +11,12 @@
 * ``pld``: the context branch alone (prompt lookup decoding through the same runner)
 
 With a pair table (tr/pair_table.py; the fixed hybrids by default) the template is drafted from
-rows keyed by (token before, token) where the table holds them, and under ``auto`` a row with no
-context match gets the pair table's chain as its branch. Without one, under ``auto`` such a row
-gets the matrix's confident chain (``AdjacencyMatrix.confident_chains``: first candidates through
-rows the model has rewritten alike), priced by its own measured acceptance like any branch, on
-full plans and lean steps alike.
+rows keyed by (token before, token) where the table holds them. Under ``auto`` each row's branch is
+the best valued (:data:`BRANCH_PRICE`) of three, each priced by its own measured acceptance, on
+full plans and lean steps alike: the row's context match; a chain from the recycled tables (the
+pair table's, or without one the matrix's confident chain, ``AdjacencyMatrix.confident_chains``:
+first candidates through rows the model has rewritten alike); and the cross-request suffix index's
+continuation (tr/suffix_index.py: what followed the row's longest suffix in other requests' text).
 """
 
 from __future__ import annotations
@@ -26,12 +27,13 @@ from typing import Callable, Sequence
 
 import torch
 
-from tr_serve.tr.budget import AcceptanceStats, StepLatency, TreeBudget, observe_template
+from tr_serve.tr.budget import AcceptanceStats, StepLatency, SuffixStats, TreeBudget, observe_template
 from tr_serve.tr.context_index import ContextIndex
 from tr_serve.tr.draft import DraftBatch, build_draft
 from tr_serve.tr.matrix import EMPTY, AdjacencyMatrix
 from tr_serve.tr.pair_table import PairTable
 from tr_serve.tr.proposer import propose
+from tr_serve.tr.suffix_index import SuffixDraft, SuffixIndex
 from tr_serve.tr.tree import CompiledTree, compile_tree
 from tr_serve.tr.tree_spec import TreeSpec
 from tr_serve.tr.verifier import Acceptance
@@ -67,6 +69,11 @@ TABLE_CHAIN_MATCH = 1
 # warm-up questions, two runs each): 8 rows 384-386 -> 373-375 decode steps (2 -> 1: 377-385), 4 and
 # 1 rows level (658 -> 659-662 and 2047 -> 2048 steps)
 CONFIDENT_STREAK = 1
+# A row's branch is the context's (or the recycled tables' chain) or the suffix index's, whichever
+# is worth more: the most of sum(p_j - BRANCH_PRICE) over the branch's prefixes, p_j its path rates.
+# The price stands for a query token's cost in accepted tokens (on one row of this CPU a token
+# adds about 4% to a step that emits about 2 tokens); the budget then sizes the chosen branch.
+BRANCH_PRICE = 0.1
 NODE_CANDIDATES = (0, 1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 80)
 CHAIN_CAPS = (0, 1, 2, 4, 8, 16)
 EXPLORE_EVERY = 16  # every 16th step verifies the runner-up plan, to keep its latency measured
@@ -74,18 +81,31 @@ REORDER_EVERY = 64  # steps between re-rankings of the template nodes by estimat
 _PLAIN = compile_tree([], name="none")
 
 
+def _branch_value(rates: list[float]) -> float:
+    """The most of ``sum(p_j - BRANCH_PRICE)`` over the prefixes of a branch of path rates ``rates``."""
+    best = total = 0.0
+    for p in rates:
+        total += p - BRANCH_PRICE
+        best = max(best, total)
+    return best
+
+
 class Drafter:
     """Builds each step's draft batch: the template drafted from the matrix, each row's context
     branch, and, under ``auto``, the per-row plan of the :class:`TreeBudget`."""
 
     def __init__(self, spec: TreeSpec, template: CompiledTree | None, matrix: AdjacencyMatrix,
-                 latency: StepLatency | None = None, pairs: PairTable | None = None):
+                 latency: StepLatency | None = None, pairs: PairTable | None = None,
+                 suffix: SuffixIndex | None = None):
         if spec.auto_budget and (template is None or latency is None):
             raise ValueError("the cost-aware budget needs a template and a latency table")
+        if suffix is not None and not spec.prices_branches:
+            raise ValueError("the suffix index drafts a branch the cost-aware budget prices: it needs 'auto'")
         self.spec = spec
         self.template = template
         self.matrix = matrix
         self.pairs = pairs  # second-order rows keyed by (token before, token), or None (tr/pair_table.py)
+        self.suffix = suffix  # the replica's cross-request suffix index, or None (tr/suffix_index.py)
         self.context = (PLD_CONTEXT if template is None else HYBRID_CONTEXT) if spec.context else None
         self.budget: TreeBudget | None = None
         if spec.auto_budget:
@@ -126,10 +146,12 @@ class Drafter:
 
     # ---- drafting ------------------------------------------------------------------------------
     def draft(self, roots: torch.Tensor, contexts: list[ContextIndex] | None = None,
-              room: list[int] | None = None, before: torch.Tensor | None = None) -> DraftBatch:
+              room: list[int] | None = None, before: torch.Tensor | None = None,
+              documents: list[int | None] | None = None) -> DraftBatch:
         """roots [b]: each row's last accepted token (the last token of its context, if any).
         room[r]: how many tokens row r may still emit (a branch never drafts past it).
-        before [b]: the token before each root (-1: none), for the pair table's rows."""
+        before [b]: the token before each root (-1: none), for the pair table's rows.
+        documents[r]: row r's document in the suffix index (its text so far), None: none."""
         pairs = self.pairs if before is not None else None
         b = roots.shape[0]
         chains: list[list[int]] = [[] for _ in range(b)]
@@ -140,28 +162,27 @@ class Drafter:
             for r, ctx in enumerate(contexts):
                 matches[r], chains[r] = ctx.lookup(caps[r])
         lean = self.budget is not None and self.budget.lean_next  # the template did not pay lately
-        if self.budget is not None and self.context is not None:
-            # rows the context has no match for: a chain from the recycled tables, priced by its
-            # own acceptance (ContextStats bucket of TABLE_CHAIN_MATCH), on full plans too: the
-            # template holds the same first candidates, but priced by their position's average
-            # over every row, which a row whose root the model keeps rewriting alike beats (see
-            # CONFIDENT_STREAK for the figures)
-            idle = [r for r in range(b) if not chains[r]]
-            if idle:
-                idle_caps = [caps[r] for r in idle]
-                if pairs is not None:
-                    found = pairs.chains(before[idle], roots[idle], idle_caps)
-                else:
-                    found = self.matrix.confident_chains(roots[idle].tolist(), idle_caps, CONFIDENT_STREAK)
-                for r, chain in zip(idle, found):
-                    if chain:
-                        chains[r], matches[r] = chain, TABLE_CHAIN_MATCH
         n = self.template.num_nodes if self.template is not None else 0
         cap = self.context.max_tokens if self.context is not None else 0
-        agreements = self._agreements(roots.tolist(), chains) if self.budget is not None else None
+        agreements, cells = None, None
+        if self.budget is not None and self.context is not None:
+            # each row's branch: its context's, the recycled tables' chain or the suffix index's,
+            # whichever the budget's estimates value most (_choose_branches). The chain from the
+            # tables holds the template's first candidates, but priced by the row's own evidence
+            # (the model rewrote them alike, CONFIDENT_STREAK; or the pair table's rows) where the
+            # template prices them by their position's average over every row
+            if pairs is not None:
+                table = pairs.chains(before, roots, caps)
+            else:
+                table = self.matrix.confident_chains(roots.tolist(), caps, CONFIDENT_STREAK)
+            found = [None] * b
+            if self.suffix is not None and documents is not None:
+                found = [self.suffix.lookup(doc, caps[r]) if doc is not None else None
+                         for r, doc in enumerate(documents)]
+            agreements, cells = self._choose_branches(roots.tolist(), chains, matches, table, found)
         if lean:
             t0 = time.perf_counter()
-            plans = self.budget.plan_branches(chains, matches, agreements)
+            plans = self.budget.plan_branches(chains, matches, agreements, cells)
             full = roots[:, None]  # no template drafted: the root alone
             self.budget.observe_host(False, time.perf_counter() - t0)
         elif self.budget is not None:  # the plan first: the template is then drafted only as deep as it is used
@@ -169,7 +190,7 @@ class Drafter:
             root_list = roots.tolist()
             before_list = before.tolist() if pairs is not None else [EMPTY] * b
             successors = self._successors([[before_list[r], root_list[r], *c[:-1]] for r, c in enumerate(chains) if c])
-            plans = self.budget.plan(root_list, successors, chains, matches, before_list, agreements)
+            plans = self.budget.plan(root_list, successors, chains, matches, before_list, agreements, cells)
             full = propose(self.matrix, roots, self.template, self.budget.draft_depth(max(p[0] for p in plans)),
                            pairs, before)
             self.budget.observe_host(True, time.perf_counter() - t0)
@@ -181,8 +202,49 @@ class Drafter:
         tree, nodes = self._subtree(max(row_nodes))
         template_tokens = full[:, torch.cat([torch.zeros(1, dtype=torch.long), nodes])]
         batch = build_draft(template_tokens, tree, nodes, chains, matches, row_nodes, [p[1] for p in plans],
-                            agreements)
+                            agreements, cells)
         return replace(batch, template_draft=full, before_roots=before if pairs is not None else None)
+
+    def _choose_branches(self, roots: list[int], chains: list[list[int]], matches: list[int],
+                         table: list[list[int]], found: list[SuffixDraft | None]
+                         ) -> tuple[list[list[bool]], list[list[int] | None] | None]:
+        """Per row, the branch worth most (:func:`_branch_value` of its path rates under the
+        budget's estimates; the first on a tie) of: its context's (``chains[r]``, ``matches[r]``),
+        the tables' chain ``table[r]`` (match length TABLE_CHAIN_MATCH), the suffix index's
+        ``found[r]``; ``chains`` and ``matches`` are set to it in place. Returns every row's
+        agreements (the matrix's, per token of its branch) and, when a row took a suffix-index
+        branch, the SuffixStats cells of its tokens per row (None elsewhere; None overall when no
+        row did). One gather for every option's agreements."""
+        options: list[list[tuple[list[int], int, SuffixDraft | None]]] = []
+        for r in range(len(chains)):
+            row = [(chains[r], matches[r], None)] if chains[r] else []
+            if table[r]:
+                row.append((table[r], TABLE_CHAIN_MATCH, None))
+            if found[r] is not None:
+                row.append((found[r].tokens, found[r].match, found[r]))
+            options.append(row)
+        flat_roots = [roots[r] for r, row in enumerate(options) for _ in row]
+        agreed = iter(self._agreements(flat_roots, [chain for row in options for chain, _, _ in row]))
+        agreements: list[list[bool]] = []
+        cells: list[list[int] | None] = []
+        for r, row in enumerate(options):
+            best, best_value = None, -1.0
+            for chain, match, draft in row:
+                own = next(agreed)
+                row_cells = ([SuffixStats.cell(draft.match, c, n, a) for c, n, a in zip(draft.counts, draft.support, own)]
+                             if draft is not None else None)
+                value = _branch_value(self.budget.branch_rates(chain, match, own, row_cells)) if len(row) > 1 else 0.0
+                if value > best_value:
+                    best, best_value = (chain, match, own, row_cells), value
+            if best is None:
+                chains[r], matches[r] = [], 0
+                agreements.append([])
+                cells.append(None)
+            else:
+                chains[r], matches[r] = best[0], best[1]
+                agreements.append(best[2])
+                cells.append(best[3])
+        return agreements, (cells if any(c is not None for c in cells) else None)
 
     def _agreements(self, roots: list[int], chains: list[list[int]]) -> list[list[bool]]:
         """Per row, per branch token: whether the matrix's first candidate of the token before it

@@ -37,6 +37,12 @@ class TreeSpec:
     def uses_matrix(self) -> bool:
         return self.template is not None
 
+    @property
+    def prices_branches(self) -> bool:
+        """The cost-aware budget with a context branch: the one setting whose rows can take a
+        branch from the cross-request suffix index, which the budget prices (``auto``)."""
+        return self.auto_budget and self.context
+
 
 def is_plain(spec: str) -> bool:
     """The one test of "this tree setting turns Token Recycling off" (plain decoding)."""
