@@ -53,7 +53,7 @@ def anchors(path: Path) -> set[str]:
     return out
 
 
-def code_blocks(path: Path, languages: tuple[str, ...] = ("bash", "sh", "")) -> list[str]:
+def code_blocks(path: Path, languages: tuple[str, ...] = ("bash", "sh")) -> list[str]:
     return [body for lang, body in FENCE.findall(path.read_text()) if lang in languages]
 
 
