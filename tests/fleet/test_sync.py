@@ -107,7 +107,7 @@ def test_push_adopt_reapply_and_own_only_rounds(setup):
         set_row(ea, 1, row1)
         set_row(ea, 2, row2)
         r = await sa.sync_once()
-        assert r == {"pushed": 2, "adopted": 1, "version": 1, "error": None}
+        assert r == {"pushed": 2, "adopted": 1, "imported": None, "version": 1, "error": None}
         # B is cold: it adopts the fleet rows, and its own new row stays
         set_row(eb, 3, list(range(30, 38)))
         r = await sb.sync_once()
