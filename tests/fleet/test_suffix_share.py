@@ -211,3 +211,56 @@ def test_the_actor_refuses_bad_documents_whole_and_keeps_its_corpus_on_disk(flee
     # the corpus setting bounds what a restarted actor holds
     small = MatrixActor({**actor.spec, "suffix_index_tokens": docs.num_tokens - 1})
     assert len(small.corpus) == 1 and small.corpus.num_tokens < docs.num_tokens
+
+
+# ---- lossless on the embedded model: a replica drafting from fleet-merged documents ---------------
+
+NEW_TOKENS = 32
+
+
+def test_a_replica_drafting_from_the_fleets_documents_is_lossless_on_the_embedded_model(loaded, spec_bench_rows,
+                                                                                         tmp_path, monkeypatch):
+    """Replica A answers two dev questions; replica B, fresh, indexes A's documents from the fleet and
+    answers those two (its suffix index then drafts A's answers) and an unseen one: every answer is
+    ``model.generate``'s, token for token."""
+    import torch
+
+    from tr_serve.llm import encode_prompt
+
+    monkeypatch.setattr(fleet_actor, "atexit", SimpleNamespace(register=lambda *a, **kw: None))
+    prompts, seen = [], set()
+    for row in spec_bench_rows:
+        ids = encode_prompt(loaded.tokenizer, [{"role": "user", "content": row["turns"][0]}])
+        if row["category"] not in seen and len(ids) <= 300:
+            seen.add(row["category"])
+            prompts.append(ids)
+        if len(prompts) == 3:
+            break
+    want = []
+    for ids in prompts:
+        with torch.inference_mode():
+            gen = loaded.model.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=NEW_TOKENS)
+        want.append(gen[0, len(ids):].tolist())
+    cfg = FleetSyncConfig(enabled=True, namespace="lossless", snapshot_dir=str(tmp_path), snapshot_interval_s=3600)
+
+    def replica(name: str) -> tuple[Engine, MatrixSync]:
+        engine = Engine(loaded, EngineConfig(tree="auto", max_num_seqs=1, max_model_len=1024))
+        return engine, MatrixSync(engine, cfg, model_id=loaded.model_id, fingerprint="fp", replica_id=name)
+
+    (ea, sa), (eb, sb) = replica("A"), replica("B")
+    actor = LocalActor(sa.spec)
+    sa._actor = sb._actor = actor
+    first = [serve(ea, ids, NEW_TOKENS) for ids in prompts[:2]]
+    assert [o.token_ids for o in first] == want[:2]
+    assert run(sa.sync_once())["error"] is None
+    r = run(sb.sync_once())
+    assert r["error"] is None and r["imported"] == 2 and eb.suffix.num_documents() == 2
+    trials = eb.drafter.budget.suffix_stats.trials.sum()
+    again = [serve(eb, ids, NEW_TOKENS) for ids in prompts]
+    for i, (out, ref) in enumerate(zip(again, want)):
+        assert out.token_ids == ref, f"replica B, question {i}: its output differs from plain decoding"
+    assert eb.drafter.budget.suffix_stats.trials.sum() > trials  # B took the suffix index's branches
+    mat_a = sum(o.stats.mat for o in first) / 2
+    mat_b = sum(o.stats.mat for o in again[:2]) / 2
+    print(f"\nMAT of the two questions on A {mat_a:.2f}, on B drafting A's answers from the fleet {mat_b:.2f}")
+    assert mat_b > mat_a + 1.0
