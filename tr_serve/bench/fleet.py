@@ -9,7 +9,7 @@ folder, both removed at the end):
    index (``auto``, the default), indexes the fleet's suffix corpus (A's warm questions' prompts
    and answers: never a measured question's), between steps, as in serving.
 3. **measure**, on the other half (questions neither replica saw), each question in turn on four
-   fresh engines, one after the other: plain greedy decoding (``tree="none"``), a **cold**
+   fresh engines, one after the other (in turn first): plain greedy decoding (``tree="none"``), a **cold**
    replica (the model's matrix prior, an empty suffix index), the **fleet-warm** replica B (its
    sync keeps running), and a **local-warm** replica (a copy of A's own matrix and A's documents:
    what A itself would do next). Each replica's own suffix index also takes the measured questions
@@ -164,15 +164,15 @@ async def _bench(args, loaded, warm: list[Question], measure: list[Question], sn
         # 3. measure on the unseen half: question by question, the four engines one at a time
         names = ("plain", "cold", "fleet_warm", "local_warm")
         runs: dict[str, list] = {n: [] for n in names}
+        by_name = dict(zip(names, (plain, cold, b, local)))
         clock_b.seconds, clock_b.steps = 0.0, 0  # B's step time from here on (its sync runs meanwhile)
         token_path_b0, calls_b0 = sync_b.token_path_s, sync_b.token_path_calls
         t0 = time.perf_counter()
         for i, q in enumerate(measure):
             log(f"measure {i + 1}/{len(measure)} q{q.question_id} ({q.category})")
-            outs = [await generate_one(e, q.prompt_ids, args.max_new_tokens, f"{n}-{i}")
-                    for n, e in zip(names, (plain, cold, b, local))]
-            for n, o in zip(names, outs):
-                runs[n].append(o)
+            order = names[i % len(names):] + names[: i % len(names)]  # no replica always runs first or last
+            for n in order:
+                runs[n].append(await generate_one(by_name[n], q.prompt_ids, args.max_new_tokens, f"{n}-{i}"))
         measure_s = time.perf_counter() - t0
         await sync_b.stop(final_push=False)
     finally:
