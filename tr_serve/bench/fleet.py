@@ -71,6 +71,32 @@ class StepClock:
         engine.step = timed
 
 
+class SuffixHits:
+    """How often a replica's suffix index found another text's continuation for a drafted row
+    (wraps the index instance's ``lookup``): what the fleet's corpus adds to drafting, whatever the
+    budget then verifies of it."""
+
+    def __init__(self, index):
+        self.lookups = 0
+        self.found = 0
+        self.tokens = 0
+        inner = index.lookup
+
+        def counted(doc: int, max_tokens: int):
+            draft = inner(doc, max_tokens)
+            self.lookups += 1
+            if draft is not None:
+                self.found += 1
+                self.tokens += len(draft.tokens)
+            return draft
+
+        index.lookup = counted
+
+    def figures(self) -> dict[str, Any]:
+        return {"lookups": self.lookups, "found": self.found, "hit_rate": self.found / max(1, self.lookups),
+                "tokens_offered": self.tokens}
+
+
 async def generate_one(engine, prompt_ids: list[int], max_new_tokens: int, request_id: str):
     """Greedy answer of one prompt through an ``AsyncEngine``: its last (finished) ``RequestOutput``."""
     from tr_serve.sampling_params import SamplingParams
@@ -165,6 +191,7 @@ async def _bench(args, loaded, warm: list[Question], measure: list[Question], sn
         names = ("plain", "cold", "fleet_warm", "local_warm")
         runs: dict[str, list] = {n: [] for n in names}
         by_name = dict(zip(names, (plain, cold, b, local)))
+        hits = {n: SuffixHits(by_name[n].engine.suffix) for n in WARMED if by_name[n].engine.suffix is not None}
         clock_b.seconds, clock_b.steps = 0.0, 0  # B's step time from here on (its sync runs meanwhile)
         token_path_b0, calls_b0 = sync_b.token_path_s, sync_b.token_path_calls
         t0 = time.perf_counter()
@@ -189,6 +216,7 @@ async def _bench(args, loaded, warm: list[Question], measure: list[Question], sn
             "fleet_replica_tokens_before_measuring": b_suffix["tokens"], "import_chunks": len(import_ms),
             "import_ms_total": sum(import_ms), "import_ms_max": max(import_ms) if import_ms else 0.0,
             "warm_question_documents": len(a_docs),
+            "lookups_while_measured": {n: h.figures() for n, h in hits.items()},
         }
     return {**_mat_figures(runs, sync, suffix_figures), "warm_seconds": warm_s, "measure_seconds": measure_s,
             "warm_mat": outputs_mat(warm_outs), "per_question": _per_question(runs, measure)}
@@ -340,7 +368,8 @@ def run_bench_fleet(args: argparse.Namespace, progress: bool = True) -> dict[str
             "adopt_ms": "between-steps part of the fleet replica's first adoption (copy + own rows reapplied)",
             "suffix_index": "where the tree has a suffix index: the fleet's corpus after the warm half (A's "
                             "documents: the warm questions' prompts and answers) and what replica B indexed of it "
-                            "before the measured half, in between-steps chunks",
+                            "before the measured half, in between-steps chunks; lookups_while_measured: per "
+                            "replica, the suffix index's lookups for drafted rows and how many found a continuation",
         },
     }
     out = Path(args.json_out)
@@ -384,6 +413,8 @@ def format_result(r: dict) -> str:
         lines.append(f"suffix corpus:              {x['fleet_documents']} documents, {x['fleet_tokens']} tokens after "
                      f"warm-up; the fleet replica indexed {x['documents_imported']} in {x['import_chunks']} "
                      f"between-steps chunks ({x['import_ms_total']:.1f} ms in all, max {x['import_ms_max']:.2f} ms)")
+        rates = ", ".join(f"{n} {100 * h['hit_rate']:.1f}%" for n, h in x["lookups_while_measured"].items())
+        lines.append(f"suffix lookups that found a continuation while measured: {rates}")
     return "\n".join(lines)
 
 
