@@ -181,7 +181,8 @@ async def _bench(args, loaded, warm: list[Question], measure: list[Question], sn
         if suffix and not first["imported"]:
             raise BenchError(f"replica B indexed no document of the fleet's suffix corpus: {first}")
         import_ms = [t * 1e3 for t in sync_b.import_s]
-        b_suffix = {"documents": b.engine.suffix.num_documents(), "tokens": b.engine.suffix.num_tokens} if suffix else {}
+        b_index = b.engine.suffix
+        b_suffix = {"documents": b_index.num_documents(), "tokens": b_index.num_tokens} if suffix else {}
         if suffix:
             log(f"B indexed {first['imported']} fleet documents ({b_suffix['tokens']} tokens) in {len(import_ms)} "
                 f"between-steps chunks, {sum(import_ms):.1f} ms in all")
