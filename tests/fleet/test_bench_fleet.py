@@ -30,3 +30,34 @@ def test_bad_arguments_exit_2_with_one_line(capsys, tmp_path):
     with pytest.raises(SystemExit) as e:
         fleet.main(["--per-category", "0"])
     assert e.value.code == 2
+
+
+def _out(tokens: list[int], accepted: list[int]):
+    from types import SimpleNamespace
+
+    return SimpleNamespace(token_ids=tokens, stats=SimpleNamespace(accepted_per_step=accepted,
+                                                                  mat=sum(accepted) / len(accepted)))
+
+
+def test_the_target_rises_with_the_suffix_corpus_and_identical_means_every_replica_equals_plain():
+    runs = {"plain": [_out([1, 2, 3, 4], [1] * 4)], "cold": [_out([1, 2, 3, 4], [2, 2])],
+            "fleet_warm": [_out([1, 2, 3, 4], [3, 1])], "local_warm": [_out([1, 2, 3, 4], [4])]}
+    sync = {"token_path_overhead": 0.001, "adopt_ms_max": 1.0}
+    matrix_only = fleet._mat_figures(runs, sync)
+    assert matrix_only["fleet_over_cold"] == 1.0 and matrix_only["targets"]["fleet_over_cold_min"] == 1.05
+    runs["fleet_warm"] = [_out([1, 2, 3, 4], [4])]
+    with_suffix = fleet._mat_figures(runs, sync, {"fleet_documents": 3})
+    assert with_suffix["fleet_over_cold"] == 2.0 and with_suffix["targets"]["fleet_over_cold_min"] == 1.15
+    assert with_suffix["identical"] and with_suffix["targets"]["met"] and with_suffix["suffix_index"]
+    runs["local_warm"] = [_out([1, 2, 3, 5], [4])]
+    assert not fleet._mat_figures(runs, sync, {})["identical"]
+
+
+def test_the_default_tree_shares_the_suffix_index_and_trees_without_a_matrix_are_refused(tmp_path, capsys):
+    from tr_serve.cli import build_parser
+
+    assert build_parser().parse_args(["bench-fleet"]).tree == "auto"
+    assert fleet.main(["--json", str(tmp_path / "o.json"), "--tree", "pld"]) == 2
+    assert "drafts from the matrix" in capsys.readouterr().err
+    assert fleet.main(["--json", str(tmp_path / "o.json"), "--tree", "nonsense"]) == 2
+    assert "unknown tree" in capsys.readouterr().err

@@ -24,6 +24,7 @@ from tr_serve.engine.config import EngineConfig  # noqa: E402
 from tr_serve.engine.engine import Engine  # noqa: E402
 from tr_serve.fleet import FleetSyncConfig  # noqa: E402
 from tr_serve.fleet.actor import get_actor, stop_matrix_actor  # noqa: E402
+from tr_serve.fleet.corpus_file import PREFIX as CORPUS_PREFIX  # noqa: E402
 from tr_serve.fleet.snapshot import snapshot_files  # noqa: E402
 from tr_serve.fleet.sync import MatrixSync  # noqa: E402
 from tr_serve.llm import encode_prompt  # noqa: E402
@@ -293,3 +294,46 @@ def _wait_gone(model_id, namespace) -> bool:
             return True
         time.sleep(0.1)
     return False
+
+
+def test_suffix_documents_travel_through_the_object_store_and_outlive_the_actor_on_disk(ray_local, tokenizer, tmp_path):
+    cfg = fleet_config(tmp_path, sync_interval_s=0.25, snapshot_interval_s=3600)
+    model_id = "tiny-random-llama"
+    prompt = [5, 17, 230, 402, 9, 33, 71, 12]
+    engines = [tiny_engine(tokenizer, tree="auto") for _ in range(3)]
+    a, b, c = engines
+
+    async def lookup(engine, text, namespace):
+        draft = await engine.call_between_steps(lambda e: e.suffix.lookup_text(text, namespace, 4))
+        return draft.tokens if draft is not None else None
+
+    async def main():
+        sync_a = MatrixSync(a, cfg, model_id=model_id, tokenizer=tokenizer, replica_id="A")
+        out = await generate(a, prompt, 24, "a0", ignore_eos=True)
+        result = await sync_a.sync_once()
+        assert result["error"] is None and sync_a.suffix.documents_shared == 1
+        sync_b = MatrixSync(b, cfg, model_id=model_id, tokenizer=tokenizer, replica_id="B")
+        result = await sync_b.sync_once()  # the corpus comes through the object store
+        assert result["error"] is None and result["imported"] == 1
+        assert await lookup(b, prompt + out.token_ids[:6], "default") == out.token_ids[6:10]
+        assert await lookup(b, prompt + out.token_ids[:6], "tenant-b") is None
+        return out, await get_actor(model_id, cfg.namespace).info.remote()
+
+    try:
+        out, info = asyncio.run(main())
+        assert info["corpus_documents"] == 1 and info["saved_corpus_seq"] == 0  # interval not reached
+        assert stop_matrix_actor(model_id, cfg.namespace)  # final snapshots: the matrix and the corpus
+        assert len(snapshot_files(info["snapshot_folder"], CORPUS_PREFIX)) == 1
+        assert _wait_gone(model_id, cfg.namespace)
+
+        async def fresh():  # a new actor starts from the files: a fresh replica drafts from A's text
+            sync_c = MatrixSync(c, cfg, model_id=model_id, tokenizer=tokenizer, replica_id="C")
+            result = await sync_c.sync_once()
+            assert result["error"] is None and result["imported"] == 1
+            return await lookup(c, prompt + out.token_ids[:6], "default")
+
+        assert asyncio.run(fresh()) == out.token_ids[6:10]
+    finally:
+        for e in engines:
+            e.shutdown()
+        stop_matrix_actor(model_id, cfg.namespace)

@@ -4,70 +4,22 @@ for its handle, the replicas are plain engines of a tiny random-weight model."""
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
 
+from local_actor import LocalActor
 from tiny_model import tiny_loaded
 from tr_serve.engine.config import EngineConfig
 from tr_serve.engine.engine import Engine
 from tr_serve.fleet import FleetSyncConfig
 from tr_serve.fleet import actor as fleet_actor
-from tr_serve.fleet.actor import MatrixActor
 from tr_serve.fleet.sync import CLEAN, PENDING, MatrixSync
 from tr_serve.tr.matrix import EMPTY
 
 V = 512
-
-
-class _Ref:
-    def __init__(self, value=None, error=None):
-        self.value, self.error = value, error
-
-    def future(self):
-        f = concurrent.futures.Future()
-        if self.error is not None:
-            f.set_exception(self.error)
-        else:
-            f.set_result(self.value)
-        return f
-
-
-def _run_now(coro):
-    try:
-        coro.send(None)
-    except StopIteration as e:
-        return e.value
-    raise RuntimeError("the actor method suspended")
-
-
-class LocalActor:
-    """A handle-like wrapper: ``handle.method.remote(*args)`` runs ``MatrixActor.method`` now."""
-
-    def __init__(self, spec):
-        self.impl = MatrixActor(spec)
-        self.fail: Exception | None = None
-        self.snapshot_calls = 0
-
-    def __getattr__(self, name):
-        def remote(*args):
-            if self.fail is not None:
-                return _Ref(error=self.fail)
-            if name == "snapshot":  # as MatrixActor.snapshot, with the object store left out
-                self.snapshot_calls += 1
-                return _Ref({"epoch": self.impl.epoch, "version": self.impl.version, "published_at": 0.0,
-                             "ref": [_Ref(self.impl.state.cands.copy())]})
-            return _Ref(_run_now(getattr(self.impl, name)(*args)))
-
-        return _RemoteMethod(remote)
-
-
-class _RemoteMethod:
-    def __init__(self, fn):
-        self.remote = fn
 
 
 @pytest.fixture
@@ -107,7 +59,7 @@ def test_push_adopt_reapply_and_own_only_rounds(setup):
         set_row(ea, 1, row1)
         set_row(ea, 2, row2)
         r = await sa.sync_once()
-        assert r == {"pushed": 2, "adopted": 1, "version": 1, "error": None}
+        assert r == {"pushed": 2, "adopted": 1, "imported": None, "version": 1, "error": None}
         # B is cold: it adopts the fleet rows, and its own new row stays
         set_row(eb, 3, list(range(30, 38)))
         r = await sb.sync_once()

@@ -175,3 +175,49 @@ def test_bad_settings_and_tokens_are_refused():
     with pytest.raises(ValueError):
         index.extend(doc, [1 << 20])
     assert index.num_tokens == 0 and index.document_length(doc) == 0
+
+
+# ---- sharing with the fleet: finished documents out, other replicas' documents in -----------------
+
+def test_finished_documents_are_exported_once_in_finish_order_as_copies():
+    index = SuffixIndex(capacity=1000)
+    a, b, running = feed(index, [1, 2, 3, 4]), feed(index, [5, 6, 7], namespace="tenant-b"), feed(index, [8, 9])
+    assert index.export_documents(0) == ([], 0)  # nothing finished yet
+    index.finish(b)
+    index.finish(a)
+    index.finish(a)  # twice: still once
+    docs, cursor = index.export_documents(0)
+    assert [(d.doc, d.namespace, d.tokens.tolist()) for d in docs] == [(b, "tenant-b", [5, 6, 7]), (a, "default", [1, 2, 3, 4])]
+    docs[0].tokens[0] = 99  # a copy: the index's text is untouched
+    assert index.lookup_text([5, 6, 7], "tenant-b", 1) is None and index.document_length(b) == 3
+    assert index.export_documents(cursor) == ([], cursor)
+    index.finish(running)
+    docs, later = index.export_documents(cursor)
+    assert [d.doc for d in docs] == [running] and later > cursor
+    assert [d.doc for d in index.export_documents(0)[0]] == [b, a, running]  # from the start again (a restarted actor)
+
+
+def test_imported_documents_draft_within_their_namespace_are_held_once_and_never_exported():
+    index = SuffixIndex(capacity=1000)
+    doc = index.import_document(("replica-a", 7), "tenant-a")
+    index.extend(doc, [1, 2, 3, 4, 5])
+    index.finish(doc)  # not this replica's: never exported
+    assert index.export_documents(0) == ([], 0)
+    assert index.import_document(("replica-a", 7), "tenant-a") is None and index.holds(("replica-a", 7))
+    assert index.lookup_text([9, 1, 2, 3], "tenant-a", 2).tokens == [4, 5]
+    assert index.lookup_text([9, 1, 2, 3], "tenant-b", 2) is None
+    other = index.import_document(("replica-b", 7), "tenant-a")  # the same id elsewhere: another document
+    assert other is not None and other != doc
+
+
+def test_eviction_forgets_exports_and_imported_keys():
+    index = SuffixIndex(capacity=10)
+    mine = feed(index, [1, 2, 3, 4, 5, 6])
+    index.finish(mine)
+    theirs = index.import_document(("replica-a", 1), "default")
+    index.extend(theirs, [7, 8, 9, 10, 11])  # 11 tokens: the oldest (mine) goes
+    assert mine not in index and index.export_documents(0) == ([], 1)
+    feed(index, [12] * 6)  # and now the imported one
+    assert not index.holds(("replica-a", 1))
+    again = index.import_document(("replica-a", 1), "default")  # evicted text may come back
+    assert again is not None and index.holds(("replica-a", 1))

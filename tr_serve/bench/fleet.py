@@ -1,15 +1,21 @@
-"""``tr-serve bench-fleet``: does a replica that adopts the fleet's matrix start hot?
+"""``tr-serve bench-fleet``: does a replica that adopts the fleet's matrix and suffix corpus start hot?
 
 On a local Ray instance, with a real matrix actor (its own namespace and a temporary snapshot
 folder, both removed at the end):
 
 1. **warm**: replica A (an ``AsyncEngine`` + ``MatrixSync`` pushing every ``--sync-interval-s``)
-   answers the warm half of the questions; its last rows are pushed when it stops.
-2. **adopt**: a fresh replica B adopts the actor's snapshot (between steps, as in serving).
-3. **measure**, on the other half (questions the matrix never saw), each question in turn on four
-   fresh engines that run side by side: plain greedy decoding (``tree="none"``), a **cold**
-   replica (empty matrix), the **fleet-warm** replica B (its sync keeps running), and a
-   **local-warm** replica (a copy of A's own matrix: what A itself would do next).
+   answers the warm half of the questions; its last rows and documents are pushed when it stops.
+2. **adopt**: a fresh replica B adopts the actor's matrix snapshot and, where the tree has a suffix
+   index (``auto``, the default), indexes the fleet's suffix corpus (A's warm questions' prompts
+   and answers: never a measured question's), between steps, as in serving.
+3. **measure**, on the other half (questions neither replica saw), each question in turn on four
+   fresh engines, one after the other (in turn first): plain greedy decoding (``tree="none"``), a **cold**
+   replica (the model's matrix prior, an empty suffix index), the **fleet-warm** replica B (its
+   sync keeps running), and a **local-warm** replica (a copy of A's own matrix and A's documents:
+   what A itself would do next). Each replica's own suffix index also takes the measured questions
+   it has answered, as in serving: the cold one's as much as the warm ones'. One engine steps at a
+   time because ``auto``'s budget prices each step at the latency it measures: four engines
+   stepping at once on a few cores would each slow the others and verify fewer nodes, by chance.
 
 Questions: ``2 x --per-category`` per category (Spec-Bench JSONL), alternately warm / measured.
 
@@ -42,7 +48,8 @@ from tr_serve.cli_args import add_command, positive_float, positive_int, quiet_t
 from tr_serve.engine.config import DEFAULT_MODEL
 
 DEFAULT_JSON = os.path.join("bench_out", "bench_fleet.json")
-TARGETS = {"fleet_over_cold": 1.05, "token_path_overhead": 0.01, "adopt_ms": 20.0}
+# fleet-warm over cold: 1.05 for the matrix alone, 1.15 with the suffix corpus too (trees with a suffix index)
+TARGETS = {"fleet_over_cold": 1.05, "fleet_over_cold_suffix": 1.15, "token_path_overhead": 0.01, "adopt_ms": 20.0}
 
 
 class StepClock:
@@ -62,6 +69,32 @@ class StepClock:
                 self.steps += 1
 
         engine.step = timed
+
+
+class SuffixHits:
+    """How often a replica's suffix index found another text's continuation for a drafted row
+    (wraps the index instance's ``lookup``): what the fleet's corpus adds to drafting, whatever the
+    budget then verifies of it."""
+
+    def __init__(self, index):
+        self.lookups = 0
+        self.found = 0
+        self.tokens = 0
+        inner = index.lookup
+
+        def counted(doc: int, max_tokens: int):
+            draft = inner(doc, max_tokens)
+            self.lookups += 1
+            if draft is not None:
+                self.found += 1
+                self.tokens += len(draft.tokens)
+            return draft
+
+        index.lookup = counted
+
+    def figures(self) -> dict[str, Any]:
+        return {"lookups": self.lookups, "found": self.found, "hit_rate": self.found / max(1, self.lookups),
+                "tokens_offered": self.tokens}
 
 
 async def generate_one(engine, prompt_ids: list[int], max_new_tokens: int, request_id: str):
@@ -87,6 +120,8 @@ async def _bench(args, loaded, warm: list[Question], measure: list[Question], sn
     from tr_serve.engine.engine import Engine
     from tr_serve.fleet import FleetSyncConfig
     from tr_serve.fleet.actor import get_actor
+    from tr_serve.fleet.corpus import DocumentBatch
+    from tr_serve.fleet.suffix_share import CorpusImport
     from tr_serve.fleet.sync import MatrixSync
 
     def log(msg: str) -> None:
@@ -123,7 +158,15 @@ async def _bench(args, loaded, warm: list[Question], measure: list[Question], sn
         await sync_a.stop(final_push=False)
         actor = get_actor(loaded.model_id, cfg.namespace)
         info = await actor.info.remote()
-        local.matrix.adopt(a.matrix.table)  # reference: A's own matrix
+        local.matrix.adopt(a.matrix.table)  # reference: A's own matrix and documents
+
+        def take_a_documents(engine):
+            return engine.suffix.export_documents(0)[0] if engine.suffix is not None else []
+
+        a_docs = await a.call_between_steps(take_a_documents)
+        if a_docs:
+            job = CorpusImport(DocumentBatch.from_shared("A", a_docs))
+            await local.call_between_steps(lambda engine: job.run(engine.suffix, 1 << 62))
 
         # 2. a fresh replica B adopts the fleet snapshot (between steps)
         sync_b = MatrixSync(b, cfg, model_id=loaded.model_id, tokenizer=loaded.tokenizer, replica_id="B")
@@ -134,20 +177,30 @@ async def _bench(args, loaded, warm: list[Question], measure: list[Question], sn
             raise BenchError(f"replica B could not adopt the fleet snapshot: {first}")
         log(f"B adopted version {sync_b.adopted_version} in {sync_b.adopt_s[0] * 1e3:.2f} ms between steps "
             f"({adopt_round_trip_ms:.1f} ms with the poll and fetch)")
+        suffix = b.engine.suffix is not None
+        if suffix and not first["imported"]:
+            raise BenchError(f"replica B indexed no document of the fleet's suffix corpus: {first}")
+        import_ms = [t * 1e3 for t in sync_b.import_s]
+        b_index = b.engine.suffix
+        b_suffix = {"documents": b_index.num_documents(), "tokens": b_index.num_tokens} if suffix else {}
+        if suffix:
+            log(f"B indexed {first['imported']} fleet documents ({b_suffix['tokens']} tokens) in {len(import_ms)} "
+                f"between-steps chunks, {sum(import_ms):.1f} ms in all")
         sync_b.start()
 
-        # 3. measure on the unseen half: the four engines side by side, question by question
+        # 3. measure on the unseen half: question by question, the four engines one at a time
         names = ("plain", "cold", "fleet_warm", "local_warm")
         runs: dict[str, list] = {n: [] for n in names}
+        by_name = dict(zip(names, (plain, cold, b, local)))
+        hits = {n: SuffixHits(by_name[n].engine.suffix) for n in WARMED if by_name[n].engine.suffix is not None}
         clock_b.seconds, clock_b.steps = 0.0, 0  # B's step time from here on (its sync runs meanwhile)
         token_path_b0, calls_b0 = sync_b.token_path_s, sync_b.token_path_calls
         t0 = time.perf_counter()
         for i, q in enumerate(measure):
             log(f"measure {i + 1}/{len(measure)} q{q.question_id} ({q.category})")
-            outs = await asyncio.gather(*[generate_one(e, q.prompt_ids, args.max_new_tokens, f"{n}-{i}")
-                                          for n, e in zip(names, (plain, cold, b, local))])
-            for n, o in zip(names, outs):
-                runs[n].append(o)
+            order = names[i % len(names):] + names[: i % len(names)]  # no replica always runs first or last
+            for n in order:
+                runs[n].append(await generate_one(by_name[n], q.prompt_ids, args.max_new_tokens, f"{n}-{i}"))
         measure_s = time.perf_counter() - t0
         await sync_b.stop(final_push=False)
     finally:
@@ -156,7 +209,17 @@ async def _bench(args, loaded, warm: list[Question], measure: list[Question], sn
 
     sync = _sync_figures(args, sync_a, sync_b, clock_a, clock_b, token_path_b0, calls_b0, info, adopt_round_trip_ms,
                          warm_rows=int(a.matrix.num_filled_rows()))
-    return {**_mat_figures(runs, sync), "warm_seconds": warm_s, "measure_seconds": measure_s,
+    suffix_figures = None
+    if suffix:
+        suffix_figures = {
+            "fleet_documents": info["corpus_documents"], "fleet_tokens": info["corpus_tokens"],
+            "documents_imported": first["imported"], "fleet_replica_documents_before_measuring": b_suffix["documents"],
+            "fleet_replica_tokens_before_measuring": b_suffix["tokens"], "import_chunks": len(import_ms),
+            "import_ms_total": sum(import_ms), "import_ms_max": max(import_ms) if import_ms else 0.0,
+            "warm_question_documents": len(a_docs),
+            "lookups_while_measured": {n: h.figures() for n, h in hits.items()},
+        }
+    return {**_mat_figures(runs, sync, suffix_figures), "warm_seconds": warm_s, "measure_seconds": measure_s,
             "warm_mat": outputs_mat(warm_outs), "per_question": _per_question(runs, measure)}
 
 
@@ -199,23 +262,26 @@ def _same_as_plain(runs: dict[str, list]) -> dict[str, list[bool]]:
     return {n: [o.token_ids == t for o, t in zip(runs[n], base)] for n in WARMED}
 
 
-def _mat_figures(runs: dict[str, list], sync: dict[str, Any]) -> dict[str, Any]:
-    """MAT per replica, ``identical``, fleet-warm over cold, and the targets they are held to."""
+def _mat_figures(runs: dict[str, list], sync: dict[str, Any], suffix: dict[str, Any] | None = None) -> dict[str, Any]:
+    """MAT per replica, ``identical``, fleet-warm over cold, and the targets they are held to
+    (``suffix``: the suffix corpus's figures where the tree has a suffix index, which raises the bar)."""
     identical = all(all(same) for same in _same_as_plain(runs).values())
     mats = {n: outputs_mat(runs[n]) for n in WARMED}
     fleet_over_cold = mats["fleet_warm"] / mats["cold"] if mats["cold"] else float("nan")
+    target = TARGETS["fleet_over_cold_suffix" if suffix is not None else "fleet_over_cold"]
     return {
         "cold_mat": mats["cold"],
         "fleet_warm_mat": mats["fleet_warm"],
         "local_warm_mat": mats["local_warm"],
         "identical": identical,
         "fleet_over_cold": fleet_over_cold,
+        "suffix_index": suffix,
         "sync": sync,
         "targets": {
-            "fleet_over_cold_min": TARGETS["fleet_over_cold"],
+            "fleet_over_cold_min": target,
             "token_path_overhead_max": TARGETS["token_path_overhead"],
             "adopt_ms_max": TARGETS["adopt_ms"],
-            "met": bool(identical and fleet_over_cold >= TARGETS["fleet_over_cold"]
+            "met": bool(identical and fleet_over_cold >= target
                         and sync["token_path_overhead"] < TARGETS["token_path_overhead"]
                         and sync["adopt_ms_max"] < TARGETS["adopt_ms"]),
         },
@@ -236,15 +302,15 @@ def run_bench_fleet(args: argparse.Namespace, progress: bool = True) -> dict[str
         raise BenchError(f"--json must name a .json file, got {args.json_out!r}")
     if args.sync_interval_s <= 0:
         raise BenchError(f"--sync-interval-s must be > 0, got {args.sync_interval_s}")
-    from tr_serve.tr.tree import TreeTemplateError, load_template
-    from tr_serve.tr.tree_spec import is_plain
+    from tr_serve.tr.tree_spec import validate_tree_spec
 
-    if is_plain(args.tree):
-        raise BenchError("--tree must be a Token Recycling tree (plain decoding is measured anyway)")
     try:
-        load_template(args.tree, args.k)
-    except TreeTemplateError as e:
+        parsed = validate_tree_spec(args.tree, args.k)
+    except ValueError as e:  # TreeTemplateError included
         raise BenchError(str(e)) from None
+    if not parsed.uses_matrix:
+        raise BenchError("--tree must be a Token Recycling tree, which drafts from the matrix (plain decoding "
+                         "is measured anyway)")
     warm, measure = split_questions(read_questions(args.questions), args.per_category)
     device = resolve_device(args.device)
 
@@ -301,6 +367,10 @@ def run_bench_fleet(args: argparse.Namespace, progress: bool = True) -> dict[str
             "token_path_overhead": "seconds MatrixSync spent between engine steps (dirty-row take + snapshot "
                                    "adoption) / seconds in Engine.step, warm replica + fleet replica",
             "adopt_ms": "between-steps part of the fleet replica's first adoption (copy + own rows reapplied)",
+            "suffix_index": "where the tree has a suffix index: the fleet's corpus after the warm half (A's "
+                            "documents: the warm questions' prompts and answers) and what replica B indexed of it "
+                            "before the measured half, in between-steps chunks; lookups_while_measured: per "
+                            "replica, the suffix index's lookups for drafted rows and how many found a continuation",
         },
     }
     out = Path(args.json_out)
@@ -312,18 +382,20 @@ def run_bench_fleet(args: argparse.Namespace, progress: bool = True) -> dict[str
 def format_result(r: dict) -> str:
     s = r["sync"]
     ok = lambda cond: "ok" if cond else "MISSED"  # noqa: E731
+    target = r["targets"]["fleet_over_cold_min"]
+    warm = "matrix + suffix corpus" if r.get("suffix_index") else "matrix"
     lines = [
         f"bench-fleet: {r['model']}, tree {r['tree']}, k={r['k']}, {len(r['measured_question_ids'])} measured / "
         f"{len(r['warm_question_ids'])} warm questions, {r['max_new_tokens']} new tokens, {r['device']}",
         "",
         "| replica | MAT |",
         "| --- | ---: |",
-        f"| cold (empty matrix) | {r['cold_mat']:.3f} |",
-        f"| fleet-warm (adopted the actor's snapshot) | {r['fleet_warm_mat']:.3f} |",
-        f"| local-warm (copy of the warm replica's matrix) | {r['local_warm_mat']:.3f} |",
+        f"| cold (fresh replica, nothing from the fleet) | {r['cold_mat']:.3f} |",
+        f"| fleet-warm (adopted the fleet's {warm}) | {r['fleet_warm_mat']:.3f} |",
+        f"| local-warm (copy of the warm replica's {warm}) | {r['local_warm_mat']:.3f} |",
         "",
-        f"fleet-warm / cold:          {r['fleet_over_cold']:.3f}  (target >= {TARGETS['fleet_over_cold']:.2f}: "
-        f"{ok(r['fleet_over_cold'] >= TARGETS['fleet_over_cold'])})",
+        f"fleet-warm / cold:          {r['fleet_over_cold']:.3f}  (target >= {target:.2f}: "
+        f"{ok(r['fleet_over_cold'] >= target)})",
         f"identical to plain greedy:  {'yes' if r['identical'] else 'NO'}",
         f"token-path sync overhead:   {100 * s['token_path_overhead']:.4f}% of step time "
         f"(warm replica {100 * s['token_path_overhead_warm_replica']:.4f}%, fleet replica "
@@ -337,6 +409,13 @@ def format_result(r: dict) -> str:
         f"fleet:                      version {s['actor_version_after_warm']} after warm-up, {s['fleet_rows']} rows, "
         f"{s['pushes']} pushes, {s['sync_errors']} sync errors",
     ]
+    x = r.get("suffix_index")
+    if x:
+        lines.append(f"suffix corpus:              {x['fleet_documents']} documents, {x['fleet_tokens']} tokens after "
+                     f"warm-up; the fleet replica indexed {x['documents_imported']} in {x['import_chunks']} "
+                     f"between-steps chunks ({x['import_ms_total']:.1f} ms in all, max {x['import_ms_max']:.2f} ms)")
+        rates = ", ".join(f"{n} {100 * h['hit_rate']:.1f}%" for n, h in x["lookups_while_measured"].items())
+        lines.append(f"suffix lookups that found a continuation while measured: {rates}")
     return "\n".join(lines)
 
 
@@ -350,7 +429,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--per-category", type=positive_int, default=1, metavar="N",
                    help="N warm and N measured questions per category (default: 1)")
     p.add_argument("--max-new-tokens", type=positive_int, default=48, metavar="N", help="default: 48")
-    p.add_argument("--tree", default="2.2.2", metavar="NAME|PATH", help="Token Recycling tree (default: 2.2.2)")
+    p.add_argument("--tree", default="auto", metavar="NAME|PATH",
+                   help="Token Recycling tree (default: auto, whose suffix index the fleet shares too; a template "
+                        "such as 2.2.2 shares the matrix only)")
     p.add_argument("--model", default=DEFAULT_MODEL, help=f"default: {DEFAULT_MODEL}")
     p.add_argument("--k", type=positive_int, default=8, help="candidates per matrix row (default: 8)")
     p.add_argument("--sync-interval-s", type=positive_float, default=2.0, metavar="S",

@@ -181,7 +181,8 @@ class Engine:
     def _retire(self, done: list[Request]) -> None:
         if self.suffix is not None:
             for req in done:  # the tokens of its last step, which no draft has synced
-                self._sync_suffix(req)
+                if self._sync_suffix(req) is not None:
+                    self.suffix.finish(req.suffix_doc)  # whole now: the fleet may share it (fleet/suffix_share.py)
         for row in self.scheduler.retire(done):
             self.runner.free(row)
 

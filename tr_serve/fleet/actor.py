@@ -1,4 +1,5 @@
-"""The matrix actor: one fleet-wide adjacency matrix per (model id, namespace).
+"""The matrix actor: one fleet-wide adjacency matrix per (model id, namespace), and beside it the
+fleet's suffix corpus (fleet/corpus.py: the finished documents of the replicas' suffix indexes).
 
 Why a named, detached Ray actor (:class:`ActorAddress`: ``tr_matrix:<model id>:<namespace>`` in
 the Ray namespace ``tr_serve``; ``lifetime="detached"``, ``get_if_exists=True``, ``max_restarts=-1``) rather than a
@@ -17,6 +18,10 @@ Serve deployment:
   ``get_if_exists=True`` with the same name, so whichever comes first creates it; with
   ``max_restarts=-1`` Ray restarts it after a crash and it reloads its newest good snapshot from
   disk. A replica that finds it gone re-resolves it by name (which re-creates it).
+
+The corpus travels as the matrix does: replicas push the documents they finished with their
+rows (``push``), the actor numbers them, publishes the whole corpus once per change (``corpus``:
+an object-store reference) and writes it to disk beside each matrix snapshot (fleet/corpus_file.py).
 
 Nothing on the token path waits for the actor: replicas push and poll from a background asyncio
 task (:mod:`tr_serve.fleet.sync`) and only the final table copy runs between engine steps.
@@ -39,10 +44,15 @@ from typing import Any, ClassVar
 import numpy as np
 
 from tr_serve.fleet.config import DEFAULT_NAMESPACE, FleetSyncConfig
+from tr_serve.fleet.corpus import DocumentBatch, FleetCorpus
+from tr_serve.fleet.corpus_file import PREFIX as CORPUS_PREFIX
+from tr_serve.fleet.corpus_file import load_newest_corpus, write_corpus
 from tr_serve.fleet.merge import EMPTY, merge_push
 from tr_serve.fleet.metrics import FleetMetrics
+from tr_serve.fleet.snapshot import PREFIX as MATRIX_PREFIX
 from tr_serve.fleet.snapshot import (Identity, MatrixState, load_newest, remove_stale_temp_files,
                                      write_snapshot)
+from tr_serve.tr.suffix_index import DEFAULT_CAPACITY
 
 logger = logging.getLogger("tr_serve.fleet")
 
@@ -80,6 +90,7 @@ def actor_spec(config: FleetSyncConfig, model_id: str, vocab_size: int, k: int, 
         "snapshot_interval_s": float(config.snapshot_interval_s),
         "keep_snapshots": int(config.keep_snapshots),
         "half_life_s": float(config.half_life_s),
+        "suffix_index_tokens": int(config.suffix_index_tokens),
     }
 
 
@@ -97,7 +108,7 @@ class MatrixActor:
         self.epoch = uuid.uuid4().hex  # changes at every (re)start: replicas detect restarts by it
         self.metrics = FleetMetrics(self.identity.model_id, self.identity.namespace, "actor")
         self.loaded_from: str | None = None
-        remove_stale_temp_files(self.folder)
+        remove_stale_temp_files(self.folder, (MATRIX_PREFIX, CORPUS_PREFIX))
         loaded = None
         try:
             loaded = load_newest(self.folder, self.identity)
@@ -113,15 +124,30 @@ class MatrixActor:
             self.version = 0
         self.saved_version = self.version
         self.rows_merged = 0
+        self.corpus, self.corpus_loaded_from = self._load_corpus(int(spec.get("suffix_index_tokens", DEFAULT_CAPACITY)))
+        self.saved_corpus_seq = self.corpus.last_seq
+        self.documents_added = 0
+        self._corpus_published: tuple[int, Any] | None = None  # (last seq, ObjectRef)
         self._published: tuple[int, float, Any] | None = None  # (version, published_at, ObjectRef)
         self._last_seq: dict[str, int] = {}
         self._save_lock = asyncio.Lock()
         self._saver: asyncio.Task | None = None
         self.metrics.version.set(self.version)
         atexit.register(self._save_at_exit)
-        logger.info("matrix actor %s started (epoch %s, version %d, %s)",
+        logger.info("matrix actor %s started (epoch %s, version %d, %s; suffix corpus of %d documents)",
                     self.address.name, self.epoch[:8], self.version,
-                    f"from {self.loaded_from}" if self.loaded_from else "empty")
+                    f"from {self.loaded_from}" if self.loaded_from else "empty", len(self.corpus))
+
+    def _load_corpus(self, capacity: int) -> tuple[FleetCorpus, str | None]:
+        try:
+            loaded = load_newest_corpus(self.folder, self.identity)
+        except Exception as e:  # a folder we cannot list: start empty, never crash
+            logger.warning("matrix actor %s: cannot read suffix corpus snapshots in %s (%s); starting empty",
+                           self.address.name, self.folder, e)
+            loaded = None
+        if loaded is None:
+            return FleetCorpus(capacity), None
+        return FleetCorpus.restore(loaded[0], capacity), str(loaded[1])
 
     # ---- replica-facing (internal) ---------------------------------------------------------
     async def info(self) -> dict[str, Any]:
@@ -129,16 +155,24 @@ class MatrixActor:
         return {**{k: self.spec[k] for k in IDENTITY_KEYS}, "epoch": self.epoch, "version": self.version,
                 "loaded_from": self.loaded_from, "saved_version": self.saved_version,
                 "filled_rows": int(self.state.filled_rows().size), "rows_merged": self.rows_merged,
-                "snapshot_folder": str(self.folder)}
+                "snapshot_folder": str(self.folder), "corpus_seq": self.corpus.last_seq,
+                "corpus_documents": len(self.corpus), "corpus_tokens": self.corpus.num_tokens,
+                "corpus_capacity": self.corpus.capacity, "corpus_loaded_from": self.corpus_loaded_from,
+                "saved_corpus_seq": self.saved_corpus_seq, "documents_added": self.documents_added}
 
     async def state_version(self) -> dict[str, Any]:
         """The cheap poll."""
         self._ensure_saver()
-        return {"epoch": self.epoch, "version": self.version}
+        return {"epoch": self.epoch, "version": self.version, "corpus_seq": self.corpus.last_seq}
 
-    async def push(self, replica_id: str, seq: int, ids, rows) -> dict[str, Any]:
-        """Merge one replica's changed rows; the version grows when any row was merged."""
+    async def push(self, replica_id: str, seq: int, ids, rows, docs: DocumentBatch | None = None) -> dict[str, Any]:
+        """Merge one replica's changed rows (the version grows when any row was merged) and add its
+        finished suffix-index documents ``docs`` to the corpus. A bad push is refused whole."""
         self._ensure_saver()
+        if docs is not None:
+            if not isinstance(docs, DocumentBatch):
+                raise ValueError(f"push with documents of type {type(docs).__name__}, expected a DocumentBatch")
+            docs.check(self.identity.vocab_size, numbered=False)
         ids = np.asarray(ids, dtype=np.int64).reshape(-1)
         rows = np.asarray(rows)
         vocab, k = self.identity.vocab_size, self.identity.k
@@ -147,9 +181,14 @@ class MatrixActor:
         if ids.size and (ids.min() < 0 or ids.max() >= vocab or rows.min() < EMPTY or rows.max() >= vocab):
             raise ValueError("push with row ids or candidates outside the vocabulary")
         last = self._last_seq.get(replica_id)
-        merged = 0
+        merged = added = 0
+        corpus_before = self.corpus.last_seq
         if last is None or seq > last:  # a duplicate or out-of-order (older) push is ignored
             self._last_seq[replica_id] = seq
+            if docs is not None and len(docs):
+                added = self.corpus.add(docs, replica_id)
+                self.documents_added += added
+                self.metrics.documents.inc(added)
             merged = merge_push(self.state.cands, self.state.scores, self.state.stamp, ids, rows.astype(np.int32),
                                 time.time(), self.half_life_s)
             if merged:
@@ -157,7 +196,8 @@ class MatrixActor:
                 self.rows_merged += merged
                 self.metrics.rows_merged.inc(merged)
                 self.metrics.version.set(self.version)
-        return {"epoch": self.epoch, "version": self.version, "merged_version": self.version, "merged": merged}
+        return {"epoch": self.epoch, "version": self.version, "merged_version": self.version, "merged": merged,
+                "corpus_seq": self.corpus.last_seq, "corpus_seq_before": corpus_before, "documents_added": added}
 
     async def snapshot(self) -> dict[str, Any]:
         """The current table, put in the object store once per version. The ObjectRef is returned
@@ -170,9 +210,22 @@ class MatrixActor:
         version, published_at, ref = self._published
         return {"epoch": self.epoch, "version": version, "published_at": published_at, "ref": [ref]}
 
+    async def corpus_snapshot(self) -> dict[str, Any]:
+        """The suffix corpus in its numbered form (a DocumentBatch), put in the object store once per
+        change; the ObjectRef inside a list, as :meth:`snapshot`'s."""
+        import ray
+
+        self._ensure_saver()
+        if self._corpus_published is None or self._corpus_published[0] != self.corpus.last_seq:
+            self._corpus_published = (self.corpus.last_seq, ray.put(self.corpus.batch()))
+        last_seq, ref = self._corpus_published
+        return {"epoch": self.epoch, "corpus_seq": last_seq, "ref": [ref]}
+
     async def save(self, force: bool = False) -> str | None:
-        """Write a disk snapshot now if the version changed since the last one (or ``force``)."""
+        """Write a disk snapshot now if the version changed since the last one (or ``force``), and
+        one of the suffix corpus if it changed. Returns the matrix snapshot's path, if one was written."""
         async with self._save_lock:
+            await self._save_corpus(force)
             if not force and self.version == self.saved_version:
                 return None
             version = self.version
@@ -187,6 +240,19 @@ class MatrixActor:
             self.metrics.snapshot_latency.observe(time.perf_counter() - t0)
             self.saved_version = version
             return str(path)
+
+    async def _save_corpus(self, force: bool) -> None:
+        last_seq = self.corpus.last_seq
+        if last_seq == self.saved_corpus_seq and not (force and len(self.corpus)):
+            return
+        batch = self.corpus.batch()  # a copy: pushes go on meanwhile
+        try:
+            await asyncio.to_thread(write_corpus, self.folder, batch, self.identity, self.keep)
+        except Exception as e:  # a full or read-only disk: keep serving, try again later
+            logger.warning("matrix actor: could not write a suffix corpus snapshot to %s: %s", self.folder, e)
+            self.metrics.error("corpus_write")
+            return
+        self.saved_corpus_seq = last_seq
 
     async def shutdown(self) -> None:
         """Final snapshot, then exit (no restart)."""
@@ -209,6 +275,12 @@ class MatrixActor:
                 logger.exception("matrix actor: snapshot failed")
 
     def _save_at_exit(self) -> None:
+        if self.corpus.last_seq != self.saved_corpus_seq:
+            try:
+                write_corpus(self.folder, self.corpus.batch(), self.identity, self.keep)
+                self.saved_corpus_seq = self.corpus.last_seq
+            except Exception as e:
+                logger.warning("matrix actor: final suffix corpus snapshot failed: %s", e)
         if self.version == self.saved_version:
             return
         try:

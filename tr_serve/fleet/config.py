@@ -9,12 +9,15 @@ from typing import Optional
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from tr_serve.tr.suffix_index import DEFAULT_CAPACITY
+
 DEFAULT_NAMESPACE = "default"
 _UNSAFE = re.compile(r"[^A-Za-z0-9._-]+")
 
 
 class FleetSyncConfig(BaseModel):
-    """Replicas of one model (and namespace) share one adjacency matrix through a Ray actor.
+    """Replicas of one model (and namespace) share one adjacency matrix through a Ray actor, and
+    the finished documents of their suffix indexes (fleet/corpus.py) where their engines have one.
 
     ``namespace`` separates fleets of the same model (tenants, A/B arms, traffic kinds): each
     (model id, namespace) pair has its own actor and its own snapshot folder.
@@ -33,6 +36,11 @@ class FleetSyncConfig(BaseModel):
     half_life_s: float = Field(default=30.0, gt=0, description="merge recency: a vote's weight halves after this")
     rpc_timeout_s: float = Field(default=10.0, gt=0, description="timeout of one replica -> actor call")
     actor_num_cpus: float = Field(default=0.0, ge=0, description="CPUs reserved by the matrix actor")
+    suffix_index: bool = Field(default=True, description="share the suffix index's finished documents too "
+                                                         "(replicas whose engine has one)")
+    suffix_index_tokens: int = Field(default=DEFAULT_CAPACITY, ge=1,
+                                     description="tokens of documents the actor holds over all tenants; "
+                                                 "the oldest are evicted past it")
 
     @property
     def namespace_name(self) -> str:

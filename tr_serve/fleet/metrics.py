@@ -11,6 +11,9 @@ its own tags and exports them to Prometheus with a ``ray_`` prefix.
     tr_serve_matrix_snapshot_latency_seconds   histogram  actor: writing one disk snapshot
     tr_serve_matrix_snapshot_age_seconds       gauge      replica: age of the adopted snapshot
     tr_serve_matrix_sync_errors                counter    both, by ``kind``
+    tr_serve_suffix_documents_shared           counter    actor: documents added to the suffix corpus;
+                                                          replica: its finished documents the actor added
+    tr_serve_suffix_documents_imported         counter    replica: fleet documents indexed in its suffix index
 
 When Ray is not initialized (unit tests, offline tools) every metric is a no-op.
 """
@@ -65,14 +68,22 @@ class FleetMetrics:
             self.errors = Counter("tr_serve_matrix_sync_errors",
                                   description="Fleet sync failures by kind (actor unreachable, snapshot lost, "
                                               "disk, ...).", tag_keys=_TAGS + ("kind",))
+            self.documents = Counter("tr_serve_suffix_documents_shared",
+                                     description="Suffix-index documents added to the fleet's corpus (actor), or "
+                                                 "a replica's finished documents the actor added (replica).",
+                                     tag_keys=_TAGS)
+            self.documents_imported = Counter("tr_serve_suffix_documents_imported",
+                                              description="Documents of the fleet's suffix corpus a replica indexed.",
+                                              tag_keys=_TAGS)
             for m in (self.version, self.rows_merged, self.rows_pushed, self.push_latency, self.adopt_latency,
-                      self.snapshot_latency, self.snapshot_age, self.errors):
+                      self.snapshot_latency, self.snapshot_age, self.errors, self.documents, self.documents_imported):
                 m.set_default_tags(defaults)
         except Exception as e:  # metrics never block syncing
             logger.debug("fleet metrics disabled: %s", e)
             noop = _Noop()
             self.version = self.rows_merged = self.rows_pushed = self.push_latency = noop
             self.adopt_latency = self.snapshot_latency = self.snapshot_age = self.errors = noop
+            self.documents = self.documents_imported = noop
 
     def error(self, kind: str) -> None:
         try:

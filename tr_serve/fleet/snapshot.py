@@ -33,7 +33,7 @@ from tr_serve.fleet.merge import EMPTY
 logger = logging.getLogger("tr_serve.fleet")
 
 FORMAT = "tr_serve.matrix/1"
-_PREFIX = "matrix-"
+PREFIX = "matrix-"  # snapshot file names: the matrix's; fleet/corpus_file.py has its own
 _SUFFIX = ".arrow"
 _TMP_MARK = ".tmp-"
 
@@ -84,11 +84,12 @@ def tokenizer_fingerprint(tokenizer) -> str:
     return hashlib.sha256(json.dumps(items, ensure_ascii=False, separators=(",", ":")).encode()).hexdigest()
 
 
-def snapshot_files(folder: Path) -> list[Path]:
-    """Snapshot files of a folder, newest first (names sort by creation time)."""
+def snapshot_files(folder: Path, prefix: str = PREFIX) -> list[Path]:
+    """Snapshot files of a folder (``prefix``: the matrix's, or the suffix corpus's), newest first
+    (names sort by creation time)."""
     try:
         names = [p for p in Path(folder).iterdir()
-                 if p.name.startswith(_PREFIX) and p.name.endswith(_SUFFIX) and p.is_file()]
+                 if p.name.startswith(prefix) and p.name.endswith(_SUFFIX) and p.is_file()]
     except FileNotFoundError:
         return []
     return sorted(names, key=lambda p: p.name, reverse=True)
@@ -126,7 +127,16 @@ def write_snapshot(folder: Path, state: MatrixState, identity: Identity, version
         "scores": pa.FixedSizeListArray.from_arrays(pa.array(scores, type=pa.float32()), k),
         "stamp": pa.array(state.stamp[rows].astype(np.float64)),
     }).replace_schema_metadata(meta)
-    name = f"{_PREFIX}{int(created * 1e9):020d}-v{int(version):010d}{_SUFFIX}"
+    final = write_table_atomically(folder, f"{PREFIX}{int(created * 1e9):020d}-v{int(version):010d}{_SUFFIX}", table)
+    prune(folder, keep)
+    return final
+
+
+def write_table_atomically(folder: Path, name: str, table) -> Path:
+    """Write an Arrow table as the IPC file ``folder/name``: a hidden temporary file, fsynced, then
+    renamed, so that a reader sees a whole file or none."""
+    import pyarrow as pa
+
     final = folder / name
     tmp = folder / f".{name}{_TMP_MARK}{os.getpid()}"
     try:
@@ -143,7 +153,6 @@ def write_snapshot(folder: Path, state: MatrixState, identity: Identity, version
             pass
         raise
     _fsync_dir(folder)
-    prune(folder, keep)
     return final
 
 
@@ -160,10 +169,10 @@ def _fsync_dir(folder: Path) -> None:
         os.close(fd)
 
 
-def prune(folder: Path, keep: int) -> list[Path]:
-    """Delete all but the ``keep`` newest snapshot files; returns the deleted ones."""
+def prune(folder: Path, keep: int, prefix: str = PREFIX) -> list[Path]:
+    """Delete all but the ``keep`` newest snapshot files of ``prefix``; returns the deleted ones."""
     removed = []
-    for p in snapshot_files(folder)[max(keep, 1):]:
+    for p in snapshot_files(folder, prefix)[max(keep, 1):]:
         try:
             p.unlink()
             removed.append(p)
@@ -172,11 +181,11 @@ def prune(folder: Path, keep: int) -> list[Path]:
     return removed
 
 
-def remove_stale_temp_files(folder: Path) -> None:
+def remove_stale_temp_files(folder: Path, prefixes: tuple[str, ...] = (PREFIX,)) -> None:
     """Temporary files left by a writer that died mid-write (only the one actor writes here)."""
     try:
         for p in Path(folder).iterdir():
-            if p.name.startswith("." + _PREFIX) and _TMP_MARK in p.name:
+            if p.name.startswith(tuple("." + prefix for prefix in prefixes)) and _TMP_MARK in p.name:
                 try:
                     p.unlink()
                 except OSError:

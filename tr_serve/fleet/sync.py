@@ -17,6 +17,11 @@ Every ``sync_interval_s``:
 
 When the only change since the adopted version is this replica's own push, nothing is fetched.
 
+The suffix index rides along (fleet/suffix_share.py): the take also copies the documents the
+engine finished, the push carries them, and when the actor's corpus has documents of other
+replicas this one has not indexed, the corpus object is fetched and they are indexed between
+steps, a bounded number of tokens at a time.
+
 Failure: an actor that is dead, restarting, slow, or a snapshot object that is lost (its owner,
 the actor, died) is logged once per failure kind, counted, and retried at the next interval
 (the actor is re-resolved by name, which re-creates it if it is gone). The engine keeps its last
@@ -43,6 +48,7 @@ from tr_serve.fleet.actor import IDENTITY_KEYS, ActorAddress, actor_spec, get_or
 from tr_serve.fleet.config import FleetSyncConfig
 from tr_serve.fleet.metrics import FleetMetrics
 from tr_serve.fleet.snapshot import tokenizer_fingerprint
+from tr_serve.fleet.suffix_share import IMPORT_TOKENS_PER_STEP, CorpusImport, SuffixShare
 from tr_serve.tr.matrix import EMPTY
 
 logger = logging.getLogger("tr_serve.fleet")
@@ -71,6 +77,9 @@ class MatrixSync:
         self.spec = actor_spec(config, model_id, self.vocab_size, self.k, fingerprint)
         self.name = ActorAddress.of(model_id, config.namespace_name).name
         self.replica_id = replica_id or f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
+        # the suffix index's documents (None: not shared); an actor of an older release has no corpus
+        self.suffix = SuffixShare(self.replica_id, self.vocab_size) if config.suffix_index else None
+        self._actor_has_corpus: bool | None = None  # None: not known yet (the actor's info says)
         self._shadow_rows = torch.full((self.vocab_size, self.k), EMPTY, dtype=torch.int32)
         self._shadow_ver = torch.zeros(self.vocab_size, dtype=torch.int64)
         self._lock = threading.Lock()
@@ -88,6 +97,7 @@ class MatrixSync:
         self.token_path_s = 0.0  # seconds spent between steps (take + adopt)
         self.token_path_calls = 0
         self.adopt_s: list[float] = []  # between-steps part of each adoption
+        self.import_s: list[float] = []  # each between-steps chunk of a suffix corpus import
         self.pushes = 0
         self.rows_pushed = 0
         self.adoptions = 0
@@ -144,31 +154,35 @@ class MatrixSync:
             return await self._sync_once(adopt)
 
     async def _sync_once(self, adopt: bool) -> dict[str, Any]:
-        result: dict[str, Any] = {"pushed": 0, "adopted": None, "version": None, "error": None}
+        result: dict[str, Any] = {"pushed": 0, "adopted": None, "imported": None, "version": None, "error": None}
         actor = await self._connected()
         if actor is None:
             result["error"] = self.last_error
             return result
         await self._between_steps(self._take_between_steps)
         ids, rows = self._begin_push()
+        docs = self.suffix.payload() if self._shares_suffix else None
         try:
-            if ids.size:
+            if ids.size or docs is not None:
                 self._seq += 1
                 t0 = time.perf_counter()
-                reply = await self._rpc(actor.push.remote(self.replica_id, self._seq, ids, rows))
+                args = (self.replica_id, self._seq, ids, rows) + ((docs,) if docs is not None else ())
+                reply = await self._rpc(actor.push.remote(*args))
                 self.metrics.push_latency.observe(time.perf_counter() - t0)
             else:
                 reply = await self._rpc(actor.state_version.remote())
         except asyncio.CancelledError:  # stopped mid-push: those rows go out with the next push
-            if ids.size:
-                self._end_push(ids, None)
+            self._push_failed(ids)
             raise
         except Exception as e:
-            if ids.size:
-                self._end_push(ids, None)
+            self._push_failed(ids)
             self._fail("actor_unreachable", e, drop_actor=True)
             result["error"] = self.last_error
             return result
+        if self.suffix is not None:
+            self.suffix.pushed(reply if docs is not None else None)
+            if docs is not None:
+                self.metrics.documents.inc(int(reply.get("documents_added", 0)))
         self._check_epoch(reply["epoch"])
         version = int(reply["version"])
         result["version"] = version
@@ -188,6 +202,11 @@ class MatrixSync:
         if adopt and version > max(self._adopted_version, 0):
             result["adopted"] = await self._adopt(actor)
             if result["adopted"] is None:
+                result["error"] = self.last_error
+        corpus_seq = int(reply.get("corpus_seq", 0))
+        if adopt and self._shares_suffix and self.suffix.needs_import(corpus_seq):
+            result["imported"] = await self._import_corpus(actor)
+            if result["imported"] is None:
                 result["error"] = self.last_error
         if result["error"] is None:
             self._recovered()
@@ -234,6 +253,41 @@ class MatrixSync:
         self.adoptions += 1
         return version
 
+    async def _import_corpus(self, actor) -> int | None:
+        """Fetch the fleet's suffix corpus and index the documents of other replicas this one has
+        not, between steps; returns how many were indexed (None: failed, logged)."""
+        import ray
+
+        try:
+            box = await self._rpc(actor.corpus_snapshot.remote())
+        except Exception as e:
+            self._fail("actor_unreachable", e, drop_actor=True)
+            return None
+        self._check_epoch(box["epoch"])
+        ref = box["ref"][0]
+        try:
+            corpus = await self._rpc(ref)
+        except (ray.exceptions.ObjectLostError, ray.exceptions.RayActorError) as e:
+            self._fail("snapshot_lost", e, drop_actor=True)
+            return None
+        except Exception as e:
+            self._fail("snapshot_fetch", e)
+            return None
+        finally:
+            del ref
+            box = dict(box, ref=None)
+        try:
+            job = self.suffix.plan(corpus)  # checks it (a DocumentBatch, consistent, in the vocabulary)
+        except (ValueError, TypeError, AttributeError) as e:
+            self._fail("bad_corpus", ValueError(f"suffix corpus refused: {e}"))
+            return None
+        del corpus
+        while not job.done:
+            await self._between_steps(lambda engine: self._import_between_steps(engine, job))
+        self.suffix.imported(job, int(box["corpus_seq"]))
+        self.metrics.documents_imported.inc(job.documents)
+        return job.documents
+
     # ---- between steps (engine thread) ----------------------------------------------------------
     def _take_locked(self, engine) -> None:
         ids = engine.matrix.take_dirty_rows()
@@ -247,8 +301,22 @@ class MatrixSync:
     def _take_between_steps(self, engine) -> None:
         t0 = time.perf_counter()
         self._take_locked(engine)
+        if self._shares_suffix:
+            self.suffix.take(engine)
         self.token_path_s += time.perf_counter() - t0
         self.token_path_calls += 1
+
+    def _import_between_steps(self, engine, job: CorpusImport) -> None:
+        t0 = time.perf_counter()
+        index = getattr(engine, "suffix", None)
+        if index is None:
+            job.drop()
+        else:
+            job.run(index, IMPORT_TOKENS_PER_STEP)
+        dt = time.perf_counter() - t0
+        self.token_path_s += dt
+        self.token_path_calls += 1
+        self.import_s.append(dt)
 
     def _adopt_between_steps(self, engine, snap: torch.Tensor, version: int) -> None:
         t0 = time.perf_counter()
@@ -273,6 +341,13 @@ class MatrixSync:
             self._shadow_ver[ids] = IN_FLIGHT
         return ids.numpy(), rows.numpy()
 
+    def _push_failed(self, ids: np.ndarray) -> None:
+        """The push did not reach the actor: its rows and documents go out with the next one."""
+        if ids.size:
+            self._end_push(ids, None)
+        if self.suffix is not None:
+            self.suffix.pushed(None)
+
     def _end_push(self, ids: np.ndarray, merged_version: int | None) -> None:
         """Rows still in flight (not changed again meanwhile) become merged at ``merged_version``,
         or pending again when the push failed."""
@@ -295,8 +370,14 @@ class MatrixSync:
         self._epoch = epoch
         self._adopted_version = -1
         self.restarts_seen += 1
+        if self.suffix is not None:
+            self.suffix.restarted()
 
     # ---- helpers ----------------------------------------------------------------------------------
+    @property
+    def _shares_suffix(self) -> bool:
+        return self.suffix is not None and self._actor_has_corpus is not False
+
     async def _between_steps(self, fn: Callable) -> Any:
         if not isinstance(self.engine, AsyncEngine) or not self.engine.alive:
             return fn(self.engine)  # a plain Engine, or a stopped one: nothing steps it now
@@ -328,6 +409,10 @@ class MatrixSync:
                 "deployment its own fleet namespace"))
             return None
         self._actor = handle
+        self._actor_has_corpus = "corpus_seq" in info
+        if self.suffix is not None and not self._actor_has_corpus:
+            logger.warning("matrix sync %s: the matrix actor has no suffix corpus (an older release); sharing "
+                           "the matrix only until it is restarted", self.name)
         self._check_epoch(info["epoch"])
         return handle
 
@@ -367,7 +452,9 @@ class MatrixSync:
                 "errors": self.errors, "last_error": self.last_error, "snapshot_age_s": age,
                 "token_path_s": self.token_path_s, "token_path_calls": self.token_path_calls,
                 "adopt_ms_last": self.adopt_s[-1] * 1e3 if self.adopt_s else None,
-                "adopt_ms_max": max(self.adopt_s) * 1e3 if self.adopt_s else None}
+                "adopt_ms_max": max(self.adopt_s) * 1e3 if self.adopt_s else None,
+                "import_ms_max": max(self.import_s) * 1e3 if self.import_s else None,
+                **(self.suffix.stats() if self.suffix is not None else {"suffix_shared": False})}
 
 
 async def start_fleet_sync(engine, config: FleetSyncConfig | dict | None, *, model_id: str,

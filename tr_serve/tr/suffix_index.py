@@ -30,6 +30,12 @@ one is removed with it, so every map and array holds at most one entry per held 
 Tenants: each document belongs to a namespace, and a lookup only ever reads documents of the
 requester's namespace, so one tenant's text never drafts for another's (the fleet's matrix is
 kept apart by the same namespace: tr_serve/fleet/config.py).
+
+Fleet sharing (tr_serve/fleet/suffix_share.py): the engine marks a request's document
+:meth:`SuffixIndex.finish`-ed when the request retires; :meth:`SuffixIndex.export_documents` hands
+out the finished ones after a cursor, and another replica indexes them with
+:meth:`SuffixIndex.import_document` (under their origin's key, never twice) and :meth:`extend`.
+Imported documents are never exported again, and they count against the same ``capacity``.
 """
 
 from __future__ import annotations
@@ -38,7 +44,7 @@ import sys
 from array import array
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Iterable, Sequence
+from typing import Hashable, Iterable, Sequence
 
 DEFAULT_NAMESPACE = "default"  # as tr_serve.fleet.config.DEFAULT_NAMESPACE (which imports pydantic)
 # 2^18 tokens: about 250 chat requests of 1k tokens. Measured at the limit (nbytes and tracemalloc
@@ -77,6 +83,16 @@ class SuffixDraft:
         return self.counts[j] / self.support[j]
 
 
+@dataclass(frozen=True)
+class SharedDocument:
+    """A finished document of this replica as it leaves for the fleet: its id here, its namespace
+    and a copy of its tokens."""
+
+    doc: int
+    namespace: str
+    tokens: array  # array('i')
+
+
 @dataclass
 class _Document:
     namespace: str
@@ -104,6 +120,10 @@ class SuffixIndex:
         self._next_id = 0
         self.num_tokens = 0
         self.evicted_documents = 0
+        self._finished: dict[int, int] = {}  # this replica's finished documents -> finish sequence, in that order
+        self._finish_seq = 0
+        self._keys: dict[Hashable, int] = {}  # imported documents: origin key -> document id
+        self._key_of: dict[int, Hashable] = {}
 
     # ---- feeding ---------------------------------------------------------------------------------
     def open(self, namespace: str = DEFAULT_NAMESPACE) -> int:
@@ -158,6 +178,10 @@ class SuffixIndex:
     def _evict_oldest(self) -> None:
         doc, d = next(iter(self._docs.items()))
         del self._docs[doc]
+        self._finished.pop(doc, None)
+        key = self._key_of.pop(doc, None)
+        if key is not None:
+            del self._keys[key]
         toks, m = d.tokens, self.min_match
         heads = self._heads[d.namespace]
         base = doc << _POS_BITS
@@ -170,6 +194,42 @@ class SuffixIndex:
         self.evicted_documents += 1
         if not heads and not any(x.namespace == d.namespace for x in self._docs.values()):
             del self._heads[d.namespace]
+
+    # ---- sharing with the fleet --------------------------------------------------------------------
+    def finish(self, doc: int) -> None:
+        """``doc``'s request is over: its text grows no more and :meth:`export_documents` hands it
+        out. A no-op for an evicted, an imported or an already finished document."""
+        if doc in self._docs and doc not in self._key_of and doc not in self._finished:
+            self._finish_seq += 1
+            self._finished[doc] = self._finish_seq
+
+    def export_documents(self, since: int = 0) -> tuple[list[SharedDocument], int]:
+        """This replica's documents finished after cursor ``since`` and still held, oldest first,
+        their tokens copied; and the cursor to pass next time.
+        Documents that came from elsewhere (:meth:`import_document`) are never exported."""
+        out = []
+        for doc in reversed(self._finished):  # newest first: stop at the cursor
+            if self._finished[doc] <= since:
+                break
+            d = self._docs[doc]
+            out.append(SharedDocument(doc, d.namespace, d.tokens[:]))
+        out.reverse()
+        return out, max(since, self._finish_seq)
+
+    def import_document(self, key: Hashable, namespace: str) -> int | None:
+        """A new, empty document for text another replica indexed, under ``key`` (its origin and
+        its id there; feed it with :meth:`extend`); None when a document of ``key`` is held
+        already, so that the same text never counts twice."""
+        if key in self._keys:
+            return None
+        doc = self.open(namespace)
+        self._keys[key] = doc
+        self._key_of[doc] = key
+        return doc
+
+    def holds(self, key: Hashable) -> bool:
+        """Whether the imported document of ``key`` is held (not evicted)."""
+        return key in self._keys
 
     # ---- drafting --------------------------------------------------------------------------------
     def lookup(self, doc: int, max_tokens: int) -> SuffixDraft | None:
@@ -254,7 +314,9 @@ class SuffixIndex:
     def nbytes(self) -> int:
         """Bytes the index holds: the documents' token and chain arrays, the head maps, their keys
         and values (``sys.getsizeof``; shared small ints counted too)."""
-        size = sys.getsizeof(self._docs) + sys.getsizeof(self._heads)
+        size = sys.getsizeof(self._docs) + sys.getsizeof(self._heads) + sys.getsizeof(self._finished)
+        size += sys.getsizeof(self._keys) + sys.getsizeof(self._key_of)
+        size += sum(sys.getsizeof(key) for key in self._keys)
         for d in self._docs.values():
             size += sys.getsizeof(d) + sys.getsizeof(d.tokens) + sys.getsizeof(d.prev)
         for heads in self._heads.values():
