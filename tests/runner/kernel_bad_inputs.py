@@ -171,8 +171,7 @@ def _driver_model():
     keys, values = torch.randn(2, G, L, d, generator=g), torch.randn(2, G, L, d, generator=g)
     tensors = panels + [norm_in, norm_post, keys, values]
     pointers = (ctypes.c_void_p * 8)(*[x.data_ptr() for x in tensors])
-    model = layer_driver.DriverModel(tensors, pointers, final, D, H, G, d, I, L, 1e-5, d ** -0.5,
-                                     layer_driver._kernel_functions())
+    model = layer_driver.DriverModel(tensors, pointers, final, D, H, G, d, I, L, 1e-5, d ** -0.5)
     local = torch.tensor([[[1, 0, 0], [1, 1, 0], [1, 0, 1]]], dtype=torch.bool)
     step = (torch.randn(1, t, D, generator=g), torch.rand(t, d, generator=g), torch.rand(t, d, generator=g),
             torch.tensor([1, 1, 1]), torch.tensor([5, 6, 7]), tree_attention.step_queries([1], [5], [3], local))

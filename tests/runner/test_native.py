@@ -19,7 +19,8 @@ import pytest
 from tr_serve.runner import native
 
 ROOT = Path(__file__).resolve().parents[2]
-TINY = "int tr_answer(void) { return 42; }\n"
+TINY = '#include "tiny.h"\nint tr_answer(void) { return 42; }\n'
+TINY_H = "int tr_answer(void);\n"
 SUBPROCESS_TIMEOUT_S = 600
 
 needs_compiler = pytest.mark.skipif(not native.required() and (native.compiler() is None
@@ -65,8 +66,13 @@ CPU revision\t: 0
 """
 
 
+def _tiny(source: str = TINY) -> dict[str, str]:
+    return {"tiny.c": source, "tiny.h": TINY_H}
+
+
 def _kernel(source: str = TINY, check=lambda lib: lib.tr_answer() == 42, name: str = "tiny") -> native.Kernel:
-    return native.Kernel("test kernel", name, source, "TR_SERVE_TEST_KERNEL", "tr_answer", [], check)
+    """A kernel of a library of its own (a fresh one each call, as a new process would load it)."""
+    return native.Kernel("test kernel", "tiny", "TR_SERVE_TEST_KERNEL", check, native.Library(name, _tiny(source)))
 
 
 @pytest.fixture
@@ -100,10 +106,10 @@ def test_a_library_built_for_another_cpu_is_not_loaded(kernel_dir, monkeypatch):
     arm = native.cpu_identity(ARM_CPUINFO, "aarch64")
     without_dot_product = native.cpu_identity(ARM_CPUINFO.replace(" asimddp", ""), "aarch64")
     monkeypatch.setattr(native, "cpu_identity", lambda: arm)
-    built = native.build(cc, "tiny", TINY, kernel_dir)
-    assert native.build(cc, "tiny", TINY, kernel_dir) == built  # same CPU: reused
+    built = native.build(cc, "tiny", _tiny(), kernel_dir)
+    assert native.build(cc, "tiny", _tiny(), kernel_dir) == built  # same CPU: reused
     monkeypatch.setattr(native, "cpu_identity", lambda: without_dot_product)
-    other = native.build(cc, "tiny", TINY, kernel_dir)
+    other = native.build(cc, "tiny", _tiny(), kernel_dir)
     assert other != built and built.exists() and other.exists()
 
 
@@ -244,12 +250,12 @@ def test_required_an_unsafe_dir_raises(tmp_path, monkeypatch):
 
 @needs_compiler
 def test_ci_fails_on_a_broken_kernel_source_and_passes_on_the_real_one(tmp_path):
-    """The real thing, as CI runs it: a copy of tr_serve whose top-k kernel source is broken on purpose,
-    and the top-k tests under TR_SERVE_REQUIRE_KERNELS=1 with a fresh kernel directory. They fail
-    (they do not skip); without the variable they skip; the real source passes."""
+    """The real thing, as CI runs it: a copy of tr_serve whose top-k kernel source (csrc/top_k.c) is
+    broken on purpose, and the top-k tests under TR_SERVE_REQUIRE_KERNELS=1 with a fresh kernel
+    directory. They fail (they do not skip); without the variable they skip; the real source passes."""
     copy = tmp_path / "src"
     shutil.copytree(ROOT / "tr_serve", copy / "tr_serve", ignore=shutil.ignore_patterns("__pycache__"))
-    top_k = copy / "tr_serve" / "runner" / "top_k.py"
+    top_k = copy / "tr_serve" / "csrc" / "top_k.c"
     text = top_k.read_text()
     assert "int tr_top_k(" in text
     top_k.write_text(text.replace("int tr_top_k(", "int broken_on_purpose = ;\nint tr_top_k(", 1))

@@ -11,7 +11,8 @@ The count is the necessary arithmetic of a Llama-shaped model: every linear laye
 token (attention projections, gated MLP, LM head) and attention over the keys each query sees (the
 prefix plus its tree ancestors and itself); norms, rotary embedding and softmax are left out (a few
 FLOPs per activation, not per weight). The peak is a measured loop of independent fused
-multiply-adds on the widest float vectors the CPU has, one per thread of torch's OpenMP team.
+multiply-adds on the widest float vectors the CPU has, one per thread of torch's OpenMP team
+(``tr_serve/csrc/fma_peak.c``, in the kernels' library: :mod:`tr_serve.runner.native`).
 """
 
 from __future__ import annotations
@@ -25,54 +26,14 @@ import torch
 from tr_serve.model_shape import attention_shape
 from tr_serve.runner import native
 
-CHAINS = 12  # accumulators per thread: enough to hide a multiply-add's latency on 1-2 units, and with w
-# and x, 14 registers: within the 16 of AVX2
-
-SOURCE = r"""
-#include <stdint.h>
-#include <omp.h>
-
-/* the widest vector the target has, so that CHAINS accumulators stay in registers (16 of them on
-   AVX2 and SSE: a 64-byte vector there takes two, and 24 spilled to the stack) */
-#if defined(__AVX512F__)
-#define LANES 16
-#elif defined(__AVX__)
-#define LANES 8
-#else
-#define LANES 4
-#endif
-typedef float vec __attribute__((vector_size(LANES * 4)));
-
-/* CHAINS independent chains of ITERS fused multiply-adds of LANES floats per thread; the sum of
-   every lane goes to out so that nothing is optimised away. Returns LANES (0: no threads, no iterations). */
-int tr_fma_peak(int64_t iters, int nthreads, float *out) {
-    if (iters < 1 || nthreads < 1) return 0;
-    float total = 0.0f;
-    #pragma omp parallel num_threads(nthreads) reduction(+:total)
-    {
-        /* w and x depend on run-time values, so the compiler can fold nothing out of the loop */
-        const vec w = (vec){0} + (0.999999f + 1e-9f * (float)nthreads);
-        const float x = 1e-7f * (float)(omp_get_thread_num() + 1);
-        vec acc[CHAINS];
-        for (int j = 0; j < CHAINS; j++) acc[j] = (vec){0} + (float)j;
-        for (int64_t i = 0; i < iters; i++)
-            for (int j = 0; j < CHAINS; j++) acc[j] = acc[j] * w + x;
-        for (int j = 0; j < CHAINS; j++)
-            for (int l = 0; l < LANES; l++) total += acc[j][l];
-    }
-    *out = total;
-    return LANES;
-}
-"""
-
+CHAINS = 12  # accumulators per thread of the peak loop: csrc/fma_peak.h's FMA_CHAINS (tests/runner/test_csrc.py)
 
 def _self_check(lib: ctypes.CDLL) -> bool:
     out = ctypes.c_float(0.0)
     return lib.tr_fma_peak(ctypes.c_int64(10), 1, ctypes.byref(out)) in (4, 8, 16) and out.value > 0.0
 
 
-KERNEL = native.Kernel("fp32 peak loop", "fma_peak", f"#define CHAINS {CHAINS}\n" + SOURCE, "TR_SERVE_FMA_PEAK",
-                       "tr_fma_peak", [ctypes.c_int64, ctypes.c_int, ctypes.POINTER(ctypes.c_float)], _self_check)
+KERNEL = native.Kernel("fp32 peak loop", "fma_peak", "TR_SERVE_FMA_PEAK", _self_check)
 
 
 def measure_peak_gflops(threads: int | None = None, seconds: float = 0.05, repeats: int = 5) -> float | None:

@@ -14,6 +14,8 @@ linear layer of the step runs the panel GEMM (the kernel plan's choice for the s
 the attention projections and the MLP's gate and up are fused siblings, no linear has a bias and all
 widths are multiples of 16. Otherwise :func:`prepare` or :func:`applies` says no and the Python loop
 runs. Without a compiler, on a failed self-check, or with ``TR_SERVE_LAYER_DRIVER=0``, likewise.
+The C code is ``tr_serve/csrc/layer_driver.c``, linked with the kernels it calls into one library
+(:mod:`tr_serve.runner.native`).
 """
 
 from __future__ import annotations
@@ -25,68 +27,8 @@ import torch
 
 from tr_serve.runner import layer_ops, native, panel_gemm, tree_attention
 
-SOURCE = r"""
-#include <stdint.h>
-#include <string.h>
-
-typedef int (*gemm_t)(const float *, int64_t, const float *, float *, int64_t, int64_t, int64_t, int64_t, int);
-typedef int (*norm_t)(float *, int64_t, const float *, int64_t, float *, int64_t, const float *, int64_t, int64_t,
-                      float, int);
-typedef int (*rope_t)(float *, int64_t, const float *, int64_t, const float *, int64_t, const float *, const float *,
-                      int64_t, int64_t, int64_t, int64_t, float *, float *, int64_t, int64_t, const int64_t *,
-                      const int64_t *, int);
-typedef int (*silu_t)(const float *, int64_t, const float *, int64_t, float *, int64_t, int64_t, int);
-typedef int (*attn_t)(const float *, float *, const float *, const float *, int64_t, int64_t, int64_t, int64_t,
-                      const int64_t *, const int64_t *, const uint8_t *, int64_t, int64_t, int64_t, int64_t, int64_t,
-                      float, int);
-
-/* fn: gemm, norm, rope, silu, attention. dims: t tokens, D hidden, H heads, G key/value heads, d head
-   size, I intermediate, L cache slots per row, R cache rows. w[8 * i ...]: layer i's fused q/k/v panels, o panels,
-   fused gate/up panels, down panels, input norm weight, post-attention norm weight, key cache, value
-   cache. h [t, D] (residual stream, updated in place), out [t, D], scratch: see below. */
-int tr_decoder_layers(void *const *fn, const int64_t *dims, float *const *w, int64_t nlayers, float *h,
-                      const float *cos, const float *sin, const int64_t *rows, const int64_t *slots,
-                      const int64_t *qrows, const int64_t *qprefix, const uint8_t *vis, int64_t W,
-                      const float *final_norm, float *out, float *scratch, float eps, float scale, int nthreads) {
-    gemm_t gemm = (gemm_t)fn[0];
-    norm_t norm = (norm_t)fn[1];
-    rope_t rope = (rope_t)fn[2];
-    silu_t silu = (silu_t)fn[3];
-    attn_t attn = (attn_t)fn[4];
-    const int64_t t = dims[0], D = dims[1], H = dims[2], G = dims[3], d = dims[4], I = dims[5], L = dims[6];
-    const int64_t R = dims[7];
-    const int64_t Q = H * d, QKV = (H + 2 * G) * d;
-    float *x = scratch, *qkv = x + t * D, *qc = qkv + t * QKV, *o = qc + t * Q, *tmp = o + t * Q;
-    float *gu = tmp + t * D, *act = gu + t * 2 * I, *pend = act + t * I;
-    const float *delta = NULL;  /* the previous layer's MLP output, added by this layer's first norm */
-    int rc = 0;
-    for (int64_t i = 0; i < nlayers; i++) {
-        float *const *lw = w + 8 * i;
-        rc |= norm(h, D, delta, D, x, D, lw[4], t, D, eps, nthreads);
-        rc |= gemm(x, D, lw[0], qkv, QKV, t, D, QKV / 16, nthreads);
-        rc |= rope(qkv, QKV, qkv + Q, QKV, qkv + Q + G * d, QKV, cos, sin, t, H, G, d, lw[6], lw[7], L, R, rows,
-                   slots, nthreads);
-        for (int64_t r = 0; r < t; r++) memcpy(qc + r * Q, qkv + r * QKV, sizeof(float) * Q);
-        rc |= attn(qc, o, lw[6], lw[7], G * L * d, L * d, R, L, qrows, qprefix, vis, W, t, H, G, d, scale, nthreads);
-        rc |= gemm(o, Q, lw[1], tmp, D, t, Q, D / 16, nthreads);
-        rc |= norm(h, D, tmp, D, x, D, lw[5], t, D, eps, nthreads);
-        rc |= gemm(x, D, lw[2], gu, 2 * I, t, D, 2 * I / 16, nthreads);
-        rc |= silu(gu, 2 * I, gu + I, 2 * I, act, t, I, nthreads);
-        rc |= gemm(act, I, lw[3], pend, D, t, I, D / 16, nthreads);
-        delta = pend;
-        if (rc) return rc;
-    }
-    return norm(h, D, delta, D, out, D, final_norm, t, D, eps, nthreads);
-}
-"""
-
-_P, _I64 = ctypes.c_void_p, ctypes.c_int64
-ARGTYPES = [_P, _P, _P, _I64, _P, _P, _P, _P, _P, _P, _P, _P, _I64, _P, _P, _P, ctypes.c_float, ctypes.c_float,
-            ctypes.c_int]
-
-
 def scratch_floats(t: int, hidden: int, heads: int, kv_heads: int, head_dim: int, intermediate: int) -> int:
-    """Floats of the scratch buffer the C loop carves up (see ``SOURCE``)."""
+    """Floats of the scratch buffer the C loop carves up (see ``csrc/layer_driver.c``)."""
     q = heads * head_dim
     return t * (2 * hidden + (heads + 2 * kv_heads) * head_dim + 2 * q + 3 * intermediate + hidden)
 
@@ -97,7 +39,7 @@ class DriverModel:
     (the tensors stay referenced here, so the addresses stay valid) and its sizes."""
 
     tensors: list[torch.Tensor]  # the panels, norms and cache buffers behind ``pointers``
-    pointers: ctypes.Array  # 8 per layer, in the order of ``SOURCE``
+    pointers: ctypes.Array  # 8 per layer, in the order of ``csrc/layer_driver.c``
     final_norm: torch.Tensor
     hidden: int
     heads: int
@@ -107,7 +49,6 @@ class DriverModel:
     max_len: int
     eps: float
     scale: float
-    functions: ctypes.Array  # gemm, norm, rope, silu, attention
 
 
 def _layer_tensors(layers, cache) -> list[torch.Tensor]:
@@ -164,23 +105,20 @@ def prepare(layers, final_norm, cache) -> DriverModel | None:
         return None
     pointers = (ctypes.c_void_p * len(tensors))(*[x.data_ptr() for x in tensors])
     return DriverModel(tensors, pointers, final_norm.weight.detach().contiguous(), hidden, heads, kv_heads, d,
-                       intermediate, cache.layers[0].keys.shape[2], eps, first.scaling, _kernel_functions())
+                       intermediate, cache.layers[0].keys.shape[2], eps, first.scaling)
 
 
 def available() -> bool:
     """Whether the C loop can run in this process: its own library and every kernel it calls
     compiled and passed their self-checks (and ``TR_SERVE_LAYER_DRIVER`` is not 0)."""
-    return KERNEL.get() is not None and _kernel_functions() is not None
+    return KERNEL.get() is not None and kernels_available()
 
 
-def _kernel_functions() -> ctypes.Array | None:
-    """The addresses of the kernels the C loop calls, in the order of ``SOURCE``'s ``fn`` (gemm,
-    norm, rope, silu, attention); None when one of them is not available here."""
-    gemm, ops, attend = (panel_gemm.KERNEL.get(), layer_ops.KERNEL.get(), tree_attention.KERNEL.get())
-    if gemm is None or ops is None or attend is None:
-        return None
-    return (ctypes.c_void_p * 5)(*[ctypes.cast(f, ctypes.c_void_p).value for f in (
-        gemm.tr_panel_gemm, ops.tr_add_rms_norm, ops.tr_rope_store, ops.tr_silu_mul, attend.tr_tree_attention)])
+def kernels_available() -> bool:
+    """Whether every kernel the C loop calls (panel GEMM, layer ops, tree attention: linked into its
+    library) passed its own self-check here and is not switched off: the loop runs only what the
+    Python loop would run."""
+    return all(k.get() is not None for k in (panel_gemm.KERNEL, layer_ops.KERNEL, tree_attention.KERNEL))
 
 
 def _global_hooks() -> bool:
@@ -240,7 +178,7 @@ def _run(lib: ctypes.CDLL, m: DriverModel, h: torch.Tensor, cos: torch.Tensor, s
     scratch = torch.empty(scratch_floats(t, m.hidden, m.heads, m.kv_heads, m.head_dim, m.intermediate),
                           dtype=torch.float32)
     cos, sin = cos.reshape(t, -1).contiguous(), sin.reshape(t, -1).contiguous()
-    rc = lib.tr_decoder_layers(m.functions, dims, m.pointers, len(m.pointers) // 8, h.data_ptr(), cos.data_ptr(),
+    rc = lib.tr_decoder_layers(dims, m.pointers, len(m.pointers) // 8, h.data_ptr(), cos.data_ptr(),
                                sin.data_ptr(), rows.data_ptr(), slots.data_ptr(), queries.rows.data_ptr(),
                                queries.prefix.data_ptr(), queries.visible.data_ptr(), queries.visible.shape[1],
                                m.final_norm.data_ptr(), out.data_ptr(), scratch.data_ptr(), m.eps, m.scale,
@@ -253,8 +191,7 @@ def _run(lib: ctypes.CDLL, m: DriverModel, h: torch.Tensor, cos: torch.Tensor, s
 def _self_check(lib: ctypes.CDLL) -> bool:
     """The C loop against the same kernels called one by one from Python, on one random layer:
     bit-identical, or the driver is not used."""
-    functions = _kernel_functions()
-    if functions is None:
+    if not kernels_available():
         return False
     g = torch.Generator().manual_seed(0)
     t, D, H, G, d, I, L = 3, 32, 4, 2, 16, 48, 24
@@ -285,10 +222,9 @@ def _self_check(lib: ctypes.CDLL) -> bool:
     h, kd, vd = h0.clone(), keys.clone(), values.clone()
     tensors = panels + [norm_in, norm_post, kd, vd]
     pointers = (ctypes.c_void_p * 8)(*[x.data_ptr() for x in tensors])
-    model = DriverModel(tensors, pointers, final, D, H, G, d, I, L, eps, scale, functions)
+    model = DriverModel(tensors, pointers, final, D, H, G, d, I, L, eps, scale)
     got = _run(lib, model, h, cos, sin, rows, slots, queries)
     return torch.equal(got, expected) and torch.equal(kd, kc) and torch.equal(vd, vc)
 
 
-KERNEL = native.Kernel("layer driver", "layer_driver", SOURCE, "TR_SERVE_LAYER_DRIVER", "tr_decoder_layers",
-                       ARGTYPES, _self_check)
+KERNEL = native.Kernel("layer driver", "layer_driver", "TR_SERVE_LAYER_DRIVER", _self_check)

@@ -1,9 +1,16 @@
-"""Building the runner's small C kernels on this machine (panel GEMM, tree attention).
+"""Building the runner's small C kernels on this machine, into one library, and loading it.
 
 Why: each kernel is a few hundred lines of portable C (GCC vector extensions) compiled with
 ``-march=native`` by the C compiler found at start-up, so it uses AVX-512 where the CPU has it and
-AVX2 or NEON elsewhere. Libraries link ``libgomp.so.1``: the copy torch has already loaded, so the
+AVX2 or NEON elsewhere. The library links ``libgomp.so.1``: the copy torch has already loaded, so the
 kernels run on torch's own OpenMP team and never compete with its threads.
+
+The C lives in C files, ``tr_serve/csrc`` (package data): ``vec.h``, the vector types and helpers
+they share; per kernel ``x.c`` and ``x.h``, the header declaring its functions, each prototype
+written once. One compiler run builds every ``.c`` file into one library (:func:`build`), loaded
+once per process (:class:`Library`); the ctypes bindings are read from the headers' prototypes
+(:mod:`tr_serve.runner.c_headers`). Each kernel (:class:`Kernel`) keeps its own switch, self-check
+and fall-back to torch.
 
 Loading a library runs its code in this process, so where they come from is guarded:
 
@@ -13,8 +20,8 @@ Loading a library runs its code in this process, so where they come from is guar
   user and not writable by group or others (it is created, or tightened, to 0700), as must every
   directory above it unless sticky (``/tmp``); a library in it must be a regular file of this
   user's that no one else can write. Anything else is refused, not repaired.
-- Libraries are cached per source, flags, compiler and CPU (:func:`cpu_identity`: the model and
-  feature list on x86 and aarch64), so one built for another CPU is never loaded here.
+- The library is cached per sources (all of them), flags, compiler and CPU (:func:`cpu_identity`:
+  the model and feature list on x86 and aarch64), so one built for another CPU is never loaded here.
 - Warnings are errors (``-Wall -Werror``).
 - ``TR_SERVE_REQUIRE_KERNELS=1`` (set by CI) turns a kernel that cannot be built, loaded or that
   fails its self-check into a :class:`KernelUnavailable` error instead of the silent fall-back to
@@ -34,9 +41,11 @@ import stat
 import subprocess
 import threading
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Mapping
 
 import torch
+
+from tr_serve.runner import c_headers
 
 logger = logging.getLogger(__name__)
 
@@ -64,60 +73,6 @@ class UnsafeKernelDir(OSError):
 def required() -> bool:
     """Whether ``TR_SERVE_REQUIRE_KERNELS`` makes an unavailable kernel an error."""
     return os.environ.get(REQUIRE_ENV, "0").strip() not in ("", "0")
-
-# What the vector kernels share: 16-float vectors (GCC vector extensions), unaligned loads and
-# stores, a broadcast, a sum of the lanes in a fixed order (so a kernel's sums do not depend on
-# how the compiler schedules them), and a test of whether any lane of a compare is set.
-VECTOR_PRELUDE = r"""
-#include <stdint.h>
-#include <stdlib.h>
-#include <string.h>
-#include <math.h>
-
-typedef float v16 __attribute__((vector_size(64)));
-typedef int32_t i16 __attribute__((vector_size(64)));
-
-static inline v16 load16(const float *p) { v16 v; memcpy(&v, p, sizeof v); return v; }
-static inline void store16(float *p, v16 v) { memcpy(p, &v, sizeof v); }
-static inline v16 splat(float x) { return (v16){0} + x; }
-
-/* sum of the 16 lanes, halves folded in a fixed order */
-static inline float hsum(v16 a) {
-    a += __builtin_shuffle(a, (i16){8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7});
-    a += __builtin_shuffle(a, (i16){4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11});
-    a += __builtin_shuffle(a, (i16){2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13});
-    a += __builtin_shuffle(a, (i16){1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14});
-    return a[0];
-}
-
-/* whether any lane of m is set, halves folded as in hsum (a loop over the lanes compiles to a chain
-   of scalar extracts) */
-static inline int any_lane(i16 m) {
-    m |= __builtin_shuffle(m, (i16){8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7});
-    m |= __builtin_shuffle(m, (i16){4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11});
-    m |= __builtin_shuffle(m, (i16){2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13});
-    m |= __builtin_shuffle(m, (i16){1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14});
-    return m[0] != 0;
-}
-
-/* exp(x) for x in [-87, 88] (Cephes expf, about 1 ulp); the callers clamp and mask */
-static inline v16 exp_in_range(v16 x) {
-    const float magic = 12582912.0f; /* 1.5 * 2^23: adding it rounds to an integer */
-    v16 t = x * 1.44269504088896341f + magic;
-    v16 n = t - magic;
-    v16 r = x - n * 0.693359375f;
-    r = r - n * -2.12194440e-4f;
-    v16 p = r * 1.9875691500e-4f + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * (r * r) + r + 1.0f;
-    i16 e = ((i16)t - (i16)splat(magic) + 127) << 23;
-    return p * (v16)e;
-}
-"""
-
 
 # ---- argument checks shared by the kernels' wrappers ------------------------------------------
 # A C kernel trusts its pointers and sizes: a wrong shape, dtype or index there is a crash or silent
@@ -271,55 +226,125 @@ def cpu_identity(cpuinfo: str | None = None, machine: str | None = None) -> str:
     return "\n".join([machine, *sorted(fields)])
 
 
-def build(cc: str, name: str, source: str, folder: Path, extra_flags: tuple[str, ...] = ()) -> Path:
-    """The shared library of ``source`` in ``folder`` (compiled unless cached), after checking that
-    ``folder`` is private (:func:`private_dir`) and the library this user's (:func:`check_library`).
-    Raises :class:`UnsafeKernelDir`, or CalledProcessError with the compiler's diagnostics."""
-    flags = [*FLAGS, *extra_flags]
+CSRC = Path(__file__).resolve().parent.parent / "csrc"  # the kernels' C sources (package data)
+LIBRARY_NAME = "tr_kernels"
+BUILD_TIMEOUT_S = 300  # one compiler run builds every kernel
+INCLUDE = re.compile(r'^[ \t]*#[ \t]*include[ \t]*"([^"]+)"', re.M)
+
+
+def read_sources(folder: Path) -> dict[str, str]:
+    """The C sources (``*.c``, ``*.h``) in ``folder``, by file name; none where the folder is missing
+    (an install without its package data: every kernel is then unavailable, not an import error)."""
+    try:
+        return {p.name: p.read_text() for p in sorted(folder.iterdir()) if p.suffix in (".c", ".h") and p.is_file()}
+    except OSError:
+        return {}
+
+
+def _check_names(sources: Mapping[str, str]) -> None:
+    for name in sources:
+        if os.path.basename(name) != name or name.startswith(".") or not name.endswith((".c", ".h")):
+            raise ValueError(f"a C source's name must be a plain file name ending .c or .h, not {name!r}")
+
+
+def build(cc: str, name: str, sources: Mapping[str, str], folder: Path) -> Path:
+    """The shared library of every ``.c`` file of ``sources`` (file name -> text), in ``folder``:
+    compiled unless cached, after checking that ``folder`` is private (:func:`private_dir`) and the
+    library this user's (:func:`check_library`). Each ``.c`` file is its own translation unit, so a
+    file's ``#pragma`` stays its own. The sources are written into a private folder of their own and
+    compiled from there: what is compiled is what the key hashed, whatever happens to the package's
+    files meanwhile. Raises :class:`UnsafeKernelDir`, or CalledProcessError with the compiler's
+    diagnostics."""
+    _check_names(sources)
+    units = sorted(n for n in sources if n.endswith(".c"))
+    if not units:
+        raise ValueError(f"{name}: no .c file to compile")
+    flags = list(FLAGS)
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout.splitlines()[:1]
-    key = hashlib.sha256(f"{source}|{flags}|{version}|{cpu_identity()}".encode()).hexdigest()[:20]
+    text = hashlib.sha256("".join(f"{n}\0{sources[n]}\0" for n in sorted(sources)).encode()).hexdigest()
+    key = hashlib.sha256(f"{text}|{flags}|{version}|{cpu_identity()}".encode()).hexdigest()[:20]
     folder = private_dir(folder)
     lib = folder / f"{name}-{key}.so"
     if os.path.lexists(lib):
         check_library(lib)
         return lib
-    src = folder / f"{name}-{key}.{os.getpid()}.c"
+    src = folder / f"{name}-{key}.{os.getpid()}.src"
     tmp = folder / f"{name}-{key}.{os.getpid()}.so"
-    src.write_text(source)
+    shutil.rmtree(src, ignore_errors=True)  # left by an earlier process of this id that died mid-build
     try:
-        subprocess.run([cc, *flags, str(src), "-o", str(tmp)], check=True, capture_output=True, text=True,
-                       timeout=120)
+        src.mkdir(mode=PRIVATE_DIR_MODE)
+        for n, body in sources.items():
+            (src / n).write_text(body)
+        subprocess.run([cc, *flags, *[str(src / n) for n in units], "-o", str(tmp)], check=True, capture_output=True,
+                       text=True, timeout=BUILD_TIMEOUT_S)
         os.chmod(tmp, 0o700)  # whatever the umask (002 makes group-writable files)
         tmp.replace(lib)  # atomic: concurrent builders never load a half-written library
     finally:
-        src.unlink(missing_ok=True)
+        shutil.rmtree(src, ignore_errors=True)
         tmp.unlink(missing_ok=True)
     check_library(lib)
     return lib
 
 
-def load_kernel(title: str, name: str, source: str, cc: str | None, function: str, argtypes: list,
-                self_check: Callable[[ctypes.CDLL], bool]) -> tuple[ctypes.CDLL | None, str]:
-    """Build (or reuse) and load ``source``, declare ``function`` (returning int), and run the
-    kernel's ``self_check``: (the library, "") or (None, why not), logged under ``title``.
-    Never raises."""
-    if cc is None or not torch_gomp_loaded():
-        why = "no C compiler ($CC, cc or gcc)" if cc is None else "torch does not use libgomp"
-        logger.info("%s unavailable (%s)", title, why)
+class Library:
+    """The one shared library of a set of C sources (:data:`KERNELS`: the package's ``csrc``), built
+    and loaded at most once per process, compiler and kernel directory (thread-safe), with every
+    function its interface headers declare bound for ctypes (:mod:`tr_serve.runner.c_headers`)."""
+
+    def __init__(self, name: str, sources: Path | Mapping[str, str]):
+        self.name = name
+        self.where = str(sources) if isinstance(sources, Path) else f"the {name} sources"
+        self.sources = read_sources(sources) if isinstance(sources, Path) else dict(sources)
+        self._opened: dict[tuple[str, str], tuple[ctypes.CDLL | None, str]] = {}
+        self._lock = threading.Lock()
+
+    def source_of(self, stem: str) -> str:
+        """The text of ``stem.c`` and of each header it includes from these sources (directly or not),
+        once each: what that kernel's code depends on (:attr:`Kernel.digest`). Empty without ``stem.c``."""
+        order: list[str] = []
+        todo = [f"{stem}.c"]
+        while todo:
+            name = todo.pop(0)
+            if name in order or name not in self.sources:
+                continue
+            order.append(name)
+            todo += INCLUDE.findall(self.sources[name])
+        return "".join(f"/* {name} */\n{self.sources[name]}" for name in order)
+
+    def load(self, cc: str | None) -> tuple[ctypes.CDLL | None, str]:
+        """(the library, "") or (None, why not). Never raises."""
+        if cc is None:
+            return None, "no C compiler ($CC, cc or gcc)"
+        if not torch_gomp_loaded():
+            return None, "torch does not use libgomp"
+        key = (cc, str(kernel_dir()))
+        with self._lock:
+            if key not in self._opened:
+                self._opened[key] = self._open(cc, key[1])
+            return self._opened[key]
+
+    def _open(self, cc: str, folder: str) -> tuple[ctypes.CDLL | None, str]:
+        if not any(n.endswith(".c") for n in self.sources):
+            why = f"no C sources in {self.where}"
+        else:
+            try:
+                bindings = c_headers.prototypes(self.sources)
+                lib = ctypes.CDLL(str(build(cc, self.name, self.sources, Path(folder))))
+                for proto in bindings.values():
+                    fn = getattr(lib, proto.name)  # AttributeError: declared, but no file defines it
+                    fn.argtypes, fn.restype = list(proto.argtypes), proto.restype
+                return lib, ""
+            except subprocess.CalledProcessError as e:
+                why = f"the build failed: {(e.stderr or '').strip()[-COMPILER_OUTPUT_CHARS:]}"
+            except (OSError, subprocess.SubprocessError, AttributeError, ValueError) as e:  # HeaderError too
+                why = f"{type(e).__name__}: {e}"
+        logger.warning("the %s library is unavailable: %s", self.name, why)
         return None, why
-    try:
-        lib = ctypes.CDLL(str(build(cc, name, source, kernel_dir())))
-        fn = getattr(lib, function)
-        fn.argtypes = argtypes
-        fn.restype = ctypes.c_int
-    except subprocess.CalledProcessError as e:
-        why = f"the build failed: {(e.stderr or '').strip()[-COMPILER_OUTPUT_CHARS:]}"
-        logger.warning("%s unavailable: %s", title, why)
-        return None, why
-    except (OSError, subprocess.SubprocessError, AttributeError) as e:
-        why = f"{type(e).__name__}: {e}"
-        logger.warning("%s unavailable: %s", title, why)
-        return None, why
+
+
+def _self_checked(title: str, lib: ctypes.CDLL,
+                  self_check: Callable[[ctypes.CDLL], bool]) -> tuple[ctypes.CDLL | None, str]:
+    """(``lib``, "") where the kernel passes ``self_check``, else (None, why not). Never raises."""
     try:
         passed = self_check(lib)
     except Exception as e:  # noqa: BLE001 - a self-check that raises has failed
@@ -333,14 +358,17 @@ def load_kernel(title: str, name: str, source: str, cc: str | None, function: st
 
 
 class Kernel:
-    """One compiled kernel, loaded at most once per process (thread-safe): :attr:`lib` is the
-    library, or None where it is not available here (``env`` set to ``0`` switches it off; with
-    ``TR_SERVE_REQUIRE_KERNELS=1`` any other reason raises :class:`KernelUnavailable`, every time)."""
+    """One kernel of a :class:`Library` (``stem.c``, declared in ``stem.h``), checked at most once per
+    process (thread-safe): :attr:`lib` is the library once this kernel passed its ``self_check``, or
+    None where it is not available here (``env`` set to ``0`` switches it off; with
+    ``TR_SERVE_REQUIRE_KERNELS=1`` any other reason raises :class:`KernelUnavailable`, every time).
+    Each kernel keeps its own switch and self-check: one failing leaves the others in use."""
 
-    def __init__(self, title: str, name: str, source: str, env: str, function: str, argtypes: list,
-                 self_check: Callable[[ctypes.CDLL], bool], find_compiler: Callable[[], str | None] | None = None):
-        self.title, self.name, self.source, self.env = title, name, source, env
-        self.function, self.argtypes, self.self_check = function, argtypes, self_check
+    def __init__(self, title: str, stem: str, env: str, self_check: Callable[[ctypes.CDLL], bool],
+                 library: Library | None = None, find_compiler: Callable[[], str | None] | None = None):
+        self.title, self.stem, self.env, self.self_check = title, stem, env, self_check
+        self.library = library if library is not None else KERNELS
+        self.source = self.library.source_of(stem)  # what :attr:`digest` hashes
         self.find_compiler = find_compiler
         self.lib: ctypes.CDLL | None = None
         self.tried = False
@@ -358,8 +386,11 @@ class Kernel:
                 if os.environ.get(self.env, "1") == "0":
                     return None
                 cc = self.find_compiler() if self.find_compiler is not None else compiler()
-                self.lib, self.why_not = load_kernel(self.title, self.name, self.source, cc, self.function,
-                                                     self.argtypes, self.self_check)
+                self.lib, self.why_not = self.library.load(cc)
+                if self.lib is not None:
+                    self.lib, self.why_not = _self_checked(self.title, self.lib, self.self_check)
+                else:
+                    logger.info("%s unavailable: %s", self.title, self.why_not.splitlines()[0])
             if self.lib is None and self.why_not and required():
                 raise KernelUnavailable(f"{self.title} kernel unavailable ({REQUIRE_ENV}=1): {self.why_not}")
             return self.lib
@@ -371,6 +402,10 @@ class Kernel:
 
     @property
     def digest(self) -> str:
-        """A short hash of the source: part of the keys of what was measured with this kernel (the
-        kernel plan, the latency table), so a changed kernel is measured again."""
+        """A short hash of the kernel's source (:meth:`Library.source_of`): part of the keys of what
+        was measured with this kernel (the kernel plan, the latency table), so a changed kernel is
+        measured again."""
         return hashlib.sha256(self.source.encode()).hexdigest()[:12]
+
+
+KERNELS = Library(LIBRARY_NAME, CSRC)  # every kernel of the package, in one library

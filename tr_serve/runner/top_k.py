@@ -24,6 +24,8 @@ from ``torch.topk`` (which leaves ties unspecified); it only feeds drafts.
 
 Nothing here is required: without a compiler or torch's libgomp, or when the self-check fails,
 :func:`top_k_rows` returns None and the caller uses torch. ``TR_SERVE_TOP_K=0`` turns it off.
+The C code is ``tr_serve/csrc/top_k.c``, built with the other kernels into one library
+(:mod:`tr_serve.runner.native`).
 """
 
 from __future__ import annotations
@@ -34,55 +36,7 @@ import torch
 
 from tr_serve.runner import native
 
-MAX_K = 64
-
-SOURCE = native.VECTOR_PRELUDE + r"""
-/* x [n][V] (row stride ldx), V a multiple of 16, 1 <= k <= 64: out[r][0..k) the indices of row r's
-   k largest values, largest first, equal values in index order; flags[r] = 1 when the row holds a
-   NaN or fewer than k values above -inf. */
-int tr_top_k(const float *x, int64_t ldx, int64_t n, int64_t V, int64_t k, int64_t *out, int32_t *flags,
-             int nthreads) {
-    #pragma omp parallel for num_threads(nthreads) schedule(static) if(n > 1)
-    for (int64_t r = 0; r < n; r++) {
-        const float *row = x + r * ldx;
-        float val[64];
-        int64_t idx[64];
-        int64_t have = 0;
-        float thr = -INFINITY;  /* the k-th largest so far; -inf until k values are held */
-        i16 nan = (i16){0};
-        for (int64_t i = 0; i < V; i += 16) {
-            if (i % 64 == 0 && i + 64 <= V) {  /* 4 blocks skipped together when none beats thr */
-                v16 a = load16(row + i), b = load16(row + i + 16);
-                v16 c = load16(row + i + 32), d = load16(row + i + 48);
-                nan |= (a != a) | (b != b) | (c != c) | (d != d);
-                if (!any_lane((a > thr) | (b > thr) | (c > thr) | (d > thr))) {
-                    i += 48;
-                    continue;
-                }
-            }
-            v16 v = load16(row + i);
-            nan |= (v != v);
-            if (!any_lane(v > thr)) continue;
-            for (int j = 0; j < 16; j++) {
-                float f = row[i + j];
-                if (!(f > thr)) continue;
-                int64_t p = have < k ? have : k - 1;  /* after every held value >= f */
-                while (p > 0 && val[p - 1] < f) { val[p] = val[p - 1]; idx[p] = idx[p - 1]; p--; }
-                val[p] = f;
-                idx[p] = i + j;
-                if (have < k) have++;
-                if (have == k) thr = val[k - 1];
-            }
-        }
-        int32_t bad = 0;  /* once per row (any_lane here measured ~10% slower at 18 rows, in cache) */
-        for (int j = 0; j < 16; j++) bad |= nan[j];
-        flags[r] = (bad || have < k) ? 1 : 0;
-        for (int64_t j = 0; j < k; j++) out[r * k + j] = j < have ? idx[j] : 0;
-    }
-    return 0;
-}
-"""
-
+MAX_K = 64  # csrc/top_k.h's TOP_K_MAX (tests/runner/test_csrc.py)
 
 def _self_check(lib: ctypes.CDLL) -> bool:
     g = torch.Generator().manual_seed(0)
@@ -97,9 +51,7 @@ def _self_check(lib: ctypes.CDLL) -> bool:
     return True
 
 
-KERNEL = native.Kernel("top-k", "top_k", SOURCE, "TR_SERVE_TOP_K", "tr_top_k",
-                       [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
-                        ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int], _self_check)
+KERNEL = native.Kernel("top-k", "top_k", "TR_SERVE_TOP_K", _self_check)
 
 
 def check_args(logits: torch.Tensor, k: int) -> None:
