@@ -193,6 +193,62 @@ def test_a_library_of_another_user_in_the_dir_is_refused(kernel_dir):
     assert again.load() is None and "belongs to uid 65534" in again.why_not
 
 
+# ---- one library of C files, bound from its headers ---------------------------------------------
+@needs_compiler
+def test_the_bindings_are_the_headers_prototypes(kernel_dir):
+    """A 64-bit argument and result pass whole: ctypes' default (int) would cut them to 32 bits."""
+    sources = {"wide.c": '#include "wide.h"\nint64_t tr_twice(int64_t x) { return 2 * x; }\n',
+               "wide.h": "#include <stdint.h>\nint64_t tr_twice(int64_t x);\n"}
+    kernel = native.Kernel("test kernel", "wide", "TR_SERVE_TEST_KERNEL", lambda lib: lib.tr_twice(3) == 6,
+                           native.Library("wide", sources))
+    assert kernel.load().tr_twice(1 << 40) == 1 << 41
+
+
+@needs_compiler
+def test_kernels_of_one_library_share_it_and_keep_their_own_self_checks(kernel_dir):
+    """Two C files, one compiler run, one library: each kernel has its own functions, the other's
+    failed self-check leaves it in use, and a pragma stays in its own file (its own translation unit)."""
+    library = native.Library("pair", {
+        "one.c": '#pragma GCC optimize("fp-contract=off")\n#include "one.h"\nint tr_one(void) { return 1; }\n',
+        "one.h": "int tr_one(void);\n",
+        "two.c": '#include "two.h"\nint tr_two(void) { return 2; }\n',
+        "two.h": "int tr_two(void);\n"})
+    one = native.Kernel("one", "one", "TR_SERVE_TEST_ONE", lambda lib: lib.tr_one() == 1, library)
+    two = native.Kernel("two", "two", "TR_SERVE_TEST_TWO", lambda lib: lib.tr_two() == 3, library)  # wrong
+    assert one.load() is not None and two.load() is None and "self-check" in two.why_not
+    assert one.load().tr_two() == 2  # the same library holds both
+    assert [p.suffix for p in kernel_dir.iterdir()] == [".so"]  # one library, its sources cleaned up
+    assert "tr_one" in one.source and "tr_two" not in one.source and one.digest != two.digest
+
+
+@needs_compiler
+def test_a_declared_function_no_file_defines_makes_the_library_unavailable(kernel_dir):
+    sources = _tiny()
+    sources["tiny.h"] += "int tr_missing(int x);\n"
+    kernel = native.Kernel("test kernel", "tiny", "TR_SERVE_TEST_KERNEL", lambda lib: True,
+                           native.Library("tiny", sources))
+    assert kernel.load() is None and "tr_missing" in kernel.why_not
+
+
+def test_missing_sources_make_the_kernels_unavailable_not_an_import_error(kernel_dir, monkeypatch, tmp_path):
+    """An install without its package data: no C files, every kernel falls back to torch (or, when
+    required, says why)."""
+    library = native.Library("gone", tmp_path / "no-such-folder")
+    kernel = native.Kernel("test kernel", "tiny", "TR_SERVE_TEST_KERNEL", lambda lib: True, library)
+    assert kernel.source == "" and kernel.load() is None
+    if native.compiler() is not None and native.torch_gomp_loaded():
+        assert "no C sources" in kernel.why_not
+        monkeypatch.setenv(native.REQUIRE_ENV, "1")
+        with pytest.raises(native.KernelUnavailable, match="no C sources"):
+            kernel.get()
+
+
+def test_a_source_name_must_be_a_plain_c_file_name(kernel_dir):
+    for name in ("../evil.c", "sub/x.c", ".hidden.c", "x.py"):
+        with pytest.raises(ValueError, match="plain file name"):
+            native.build("cc", "bad", {name: "", "ok.c": ""}, kernel_dir)
+
+
 # ---- build errors and TR_SERVE_REQUIRE_KERNELS ---------------------------------------------------
 @needs_compiler
 def test_warnings_are_errors(kernel_dir):
