@@ -236,6 +236,8 @@ def test_missing_sources_make_the_kernels_unavailable_not_an_import_error(kernel
     library = native.Library("gone", tmp_path / "no-such-folder")
     kernel = native.Kernel("test kernel", "tiny", "TR_SERVE_TEST_KERNEL", lambda lib: True, library)
     assert kernel.source == "" and kernel.load() is None
+    with pytest.raises(ValueError, match="no typo.c"):  # where the sources are there, a wrong name is a bug
+        native.Kernel("test kernel", "typo", "TR_SERVE_TEST_KERNEL", lambda lib: True, native.Library("t", _tiny()))
     if native.compiler() is not None and native.torch_gomp_loaded():
         assert "no C sources" in kernel.why_not
         monkeypatch.setenv(native.REQUIRE_ENV, "1")

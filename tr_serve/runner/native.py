@@ -368,6 +368,8 @@ class Kernel:
                  library: Library | None = None, find_compiler: Callable[[], str | None] | None = None):
         self.title, self.stem, self.env, self.self_check = title, stem, env, self_check
         self.library = library if library is not None else KERNELS
+        if self.library.sources and f"{stem}.c" not in self.library.sources:
+            raise ValueError(f"{title}: no {stem}.c in {self.library.where}")
         self.source = self.library.source_of(stem)  # what :attr:`digest` hashes
         self.find_compiler = find_compiler
         self.lib: ctypes.CDLL | None = None
