@@ -12,7 +12,6 @@ import fnmatch
 import re
 import shutil
 import subprocess
-import tomllib
 from collections import Counter
 from pathlib import Path
 
@@ -134,6 +133,7 @@ def test_a_kernels_digest_follows_its_own_files():
 
 def test_the_package_ships_every_c_source():
     """pyproject's package data names every file of csrc (a wheel without them has no kernels)."""
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
     data = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]["tr_serve"]
     for name in SOURCES:
         assert any(fnmatch.fnmatch(f"csrc/{name}", pattern) for pattern in data), name
