@@ -22,7 +22,7 @@ from tr_serve.data import PAPER_TREE_2_2_2_ORDER, SPEC_BENCH_DEV
 from tr_serve.llm import LLM, encode_prompt
 from tr_serve.model_loader import load_model
 from tr_serve.sampling_params import SamplingParams
-from tr_serve.tr.budget import AcceptanceStats
+from tr_serve.tr.acceptance_stats import AcceptanceStats
 from tr_serve.tr.tree import DEFAULT_TREE, order_by_rates
 
 SKIP_PER_CATEGORY = 2  # the benchmark measures the first questions of each category

@@ -29,7 +29,7 @@ from tr_serve.runner.model_runner import ModelRunner, rows_within_budget
 from tr_serve.runner.sampler import request_seed
 from tr_serve.runner.step_io import NextTokens, RowSampler, StepSampling
 from tr_serve.sampling_params import SamplingParams
-from tr_serve.tr.budget import StepLatency
+from tr_serve.tr.step_latency import StepLatency
 from tr_serve.tr.draft import DraftBatch
 from tr_serve.tr.drafter import Drafter
 from tr_serve.tr.matrix import EMPTY, AdjacencyMatrix, last_occurrences

@@ -27,12 +27,14 @@ from typing import Callable, Sequence
 
 import torch
 
-from tr_serve.tr.budget import AcceptanceStats, StepLatency, SuffixStats, TreeBudget, observe_template
+from tr_serve.tr.acceptance_stats import AcceptanceStats, SuffixStats, observe_template
+from tr_serve.tr.budget import TreeBudget
 from tr_serve.tr.context_index import ContextIndex
 from tr_serve.tr.draft import DraftBatch, build_draft
 from tr_serve.tr.matrix import EMPTY, AdjacencyMatrix
 from tr_serve.tr.pair_table import PairTable
 from tr_serve.tr.proposer import propose
+from tr_serve.tr.step_latency import StepLatency
 from tr_serve.tr.suffix_index import SuffixDraft, SuffixIndex
 from tr_serve.tr.tree import CompiledTree, compile_tree
 from tr_serve.tr.tree_spec import TreeSpec
