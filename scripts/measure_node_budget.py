@@ -71,7 +71,7 @@ def main() -> None:
             llm = LLM(tree="auto", loaded=loaded, max_num_seqs=1, max_model_len=max_model_len, suffix_index=suffix == "on",
                       pair_table=args.pair_table or None)
             if nodes:
-                llm.engine.drafter.budget.fixed_nodes = nodes
+                llm.engine.speculator.drafter.budget.fixed_nodes = nodes
             variants.append((f"{'auto' if not nodes else f'{nodes} nodes'}, suffix {suffix}", llm))
     params = SamplingParams(max_tokens=args.max_new_tokens)
     stats = {name: [0, 0, 0, 0.0, 0] for name, _ in variants}  # accepted, steps, nodes, seconds, new tokens

@@ -45,7 +45,7 @@ def main() -> None:
 
     loaded = load_model("smollm2-135m-instruct")
     llm = LLM(tree="2.2.2", loaded=loaded, max_num_seqs=1)
-    drafter = llm.engine.drafter
+    drafter = llm.engine.speculator.drafter
     stats = AcceptanceStats(drafter.template, decay=1.0, prior_weight=0.0)
     drafter.acceptance = stats  # observed on every step from now on
     params = SamplingParams(max_tokens=args.max_new_tokens)

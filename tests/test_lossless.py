@@ -81,7 +81,7 @@ def test_lossless_hot_matrix(loaded, bench_prompts, references, tree):
     """One engine over every prompt, its matrix started as a new replica's: the model's prior in
     every row (runner/matrix_prior.py) where the tree drafts from the matrix."""
     llm = LLM(tree=tree, loaded=loaded, max_num_seqs=1)
-    prior_rows = llm.engine.matrix.vocab_size if llm.engine.spec.uses_matrix else 0
+    prior_rows = llm.engine.matrix.vocab_size if llm.engine.speculator.uses_matrix else 0
     assert llm.engine.matrix.num_filled_rows() == prior_rows
     params = SamplingParams(max_tokens=NEW_TOKENS)
     mats = []

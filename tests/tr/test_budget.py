@@ -301,7 +301,7 @@ def test_the_engine_verifies_the_fixed_node_count_on_every_row_and_step(tokenize
     prompt = [5, 17, 230, 402, 9, 33, 71, 12, 5, 17, 230]
     plain = Engine(loaded, EngineConfig(model="tiny", tree="none", max_model_len=128))
     engine = Engine(loaded, EngineConfig(model="tiny", tree="auto", max_model_len=128))
-    engine.drafter.budget.fixed_nodes = 4
+    engine.speculator.drafter.budget.fixed_nodes = 4
     outs = {}
     for name, e in (("plain", plain), ("fixed", engine)):
         e.add_request(prompt, SamplingParams(max_tokens=40, ignore_eos=True))
