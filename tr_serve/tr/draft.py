@@ -66,10 +66,6 @@ class DraftBatch:
         return self.tokens.shape[1] - 1
 
     @property
-    def num_template_nodes(self) -> int:
-        return int(self.template_nodes.numel())
-
-    @property
     def num_inputs(self) -> int:
         """Query tokens the forward computes: every row's real inputs, padding excluded."""
         return self.tokens.numel() if self.lengths is None else int(self.lengths.sum())

@@ -259,23 +259,19 @@ class Drafter:
     def _successors(self, walks: list[list[int]]) -> Callable[[int, int], Sequence[int]]:
         """``successors(before, token)``: the candidates the proposer drafts after ``token`` (whose
         previous token is ``before``), for the consecutive pairs of ``walks`` (each: the token before
-        a root, the root, then the branch tokens it can walk through), read in one gather (one
-        device sync at most)."""
+        a root, the root, then the branch tokens it can walk through), read in one gather."""
         pairs = sorted({(w[i - 1], w[i]) for w in walks for i in range(1, len(w))})
         if not pairs:
             return lambda before, token: {}[(before, token)]
         prev = torch.tensor([p[0] for p in pairs], dtype=torch.long)
         tok = torch.tensor([p[1] for p in pairs], dtype=torch.long)
-        ranks = torch.arange(self.matrix.k)[None, :]
         table = self.matrix.table
         if self.pairs is None:
-            rows = table[tok.to(table.device)].tolist()
-        elif table.device.type == "cpu":
-            rows = self.pairs.successors_host(table.numpy(), prev.numpy()[:, None], tok.numpy()[:, None],
-                                              ranks.numpy()).tolist()
+            rows = table[tok].tolist()
         else:
-            rows = self.pairs.successors(table, prev[:, None].to(table.device), tok[:, None].to(table.device),
-                                         ranks.to(table.device)).tolist()
+            ranks = torch.arange(self.matrix.k)[None, :]
+            rows = self.pairs.successors(table.numpy(), prev.numpy()[:, None], tok.numpy()[:, None],
+                                         ranks.numpy()).tolist()
         found = dict(zip(pairs, rows))
         return lambda before, token: found[(before, token)]
 
