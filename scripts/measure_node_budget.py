@@ -22,7 +22,8 @@ from collections import OrderedDict
 import torch
 
 from tr_serve.data import SPEC_BENCH_DEV
-from tr_serve.llm import LLM, encode_prompt
+from tr_serve.engine.prompt import encode_prompt
+from tr_serve.llm import LLM
 from tr_serve.model_loader import load_model
 from tr_serve.sampling_params import SamplingParams
 

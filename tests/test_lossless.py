@@ -11,7 +11,7 @@ import torch
 
 from tr_serve import LLM, SamplingParams
 from tr_serve.data import SPEC_BENCH_DEV
-from tr_serve.llm import encode_prompt
+from tr_serve.engine.prompt import encode_prompt
 
 SPEC_BENCH = SPEC_BENCH_DEV  # packaged with tr_serve (tr_serve/data)
 # Sized for CI's 20 minutes on a slow 2-core day: at 12 prompts x 48 tokens this file took 10 of

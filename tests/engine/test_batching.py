@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from tr_serve import LLM, SamplingParams
-from tr_serve.llm import encode_prompt
+from tr_serve.engine.prompt import encode_prompt
 
 
 def chat(text: str) -> list[dict[str, str]]:

@@ -15,7 +15,7 @@ import pytest
 from tp_testutil import PROMPTS, assert_same_or_near_tie, dev_questions, run, tiny
 from tr_serve.engine.config import EngineConfig
 from tr_serve.engine.engine import Engine
-from tr_serve.llm import encode_prompt
+from tr_serve.engine.prompt import encode_prompt
 from tr_serve.sampling_params import SamplingParams
 
 

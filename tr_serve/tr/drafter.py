@@ -251,7 +251,7 @@ class Drafter:
     def _agreements(self, roots: list[int], chains: list[list[int]]) -> list[list[bool]]:
         """Per row, per branch token: whether the matrix's first candidate of the token before it
         (the root, then the branch's own tokens) is that token, the evidence the budget prices
-        branch tokens by beside their match length (tr/budget.py ContextStats). One gather."""
+        branch tokens by beside their match length (tr/acceptance_stats.py ContextStats). One gather."""
         before = [t for root, chain in zip(roots, chains) if chain for t in (root, *chain[:-1])]
         first = iter(self.matrix.first_candidates(before))
         return [[next(first) == tok for tok in chain] for chain in chains]
