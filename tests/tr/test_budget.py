@@ -20,7 +20,7 @@ def test_tree_budget_owns_its_order_and_the_drafter_follows_it():
     latency = StepLatency(LatencyTable((1, 64), (1.0, 1.0)))
     drafter = Drafter(parse_tree_spec("top4", "auto"), tree, AdjacencyMatrix(16, 2), latency)
     budget = drafter.budget
-    assert isinstance(budget, TreeBudget) and drafter.acceptance is budget.acceptance and drafter.latency is latency
+    assert isinstance(budget, TreeBudget) and drafter.acceptance is budget.acceptance and budget.latency is latency
     assert drafter._subtree(2)[1].tolist() == [1, 2]  # level order first
     budget.reorder([0.1, 0.9, 0.05, 0.8])  # node 2 (path (1,)) and its child are the likely ones
     assert budget.order == [2, 4, 1, 3] and budget.order_version == 1

@@ -73,11 +73,7 @@ class Engine:
         self.speculator.seed_prior(load_or_compute(loaded.model, loaded.model_id, self.runner.vocab_size,
                                                    self.config.k, bos))
 
-    # ---- the scheduler's state, for tests and tools ----------------------------------------------
-    @property
-    def waiting(self):
-        return self.scheduler.waiting
-
+    # ---- the scheduler's state, for tools (scripts/gpu_check.py) ----------------------------------
     @property
     def prefilling(self) -> list[Request]:
         return self.scheduler.prefilling
@@ -85,10 +81,6 @@ class Engine:
     @property
     def running(self) -> list[Request]:
         return self.scheduler.running
-
-    @property
-    def free_rows(self) -> list[int]:
-        return self.scheduler.free_rows
 
     # ---- EngineHandle ---------------------------------------------------------------------------
     def load(self) -> EngineLoad:

@@ -119,10 +119,6 @@ class Drafter:
         self._subtrees: dict[tuple[int, int], tuple[CompiledTree, torch.Tensor]] = {}
 
     @property
-    def latency(self) -> StepLatency | None:
-        return self.budget.latency if self.budget is not None else None
-
-    @property
     def order(self) -> list[int]:
         """Template nodes in the order a row adds them (a row verifies a prefix)."""
         if self.budget is not None:
