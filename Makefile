@@ -46,7 +46,7 @@ test: setup
 	TR_SERVE_GPU_IMAGE_TRANSFORMERS=$(GPU_IMAGE_TRANSFORMERS_DIR) \
 		$(PY) -m pytest tests -n $(TEST_WORKERS) --dist loadgroup $(PYTEST_ARGS)
 
-# the README's single-stream table: the paper's tree, its hybrid and the default (auto) beside
+# the single-stream table of docs/benchmarks.md: the paper's tree, its hybrid and the default (auto) beside
 # plain decoding, same-runner prompt lookup and the transformers reference rows
 bench: setup
 	$(VENV)/bin/tr-serve bench --per-category 2 --max-new-tokens 128 --tree 2.2.2 --tree 2.2.2+ctx --tree auto --json bench_out/bench.json

@@ -29,7 +29,7 @@ efficient / cuDNN / math backends, or flex attention):
    return at 32 rows: reported, not gated, until the runner returns ids), peak memory per run. A
    random-weight model accepts almost no drafts, so the speedup is projected as ``MAT x (plain
    step time / TR step time)`` with the MAT of the dev questions (``--bench-json``, ``--mat``, or
-   the README's single-stream figures), and from the latency table at 1 row.
+   an earlier CPU single-stream run's figures, ``EARLIER_CPU_MAT``), and from the latency table at 1 row.
 3. ``losslessness``: a small random Llama; TR (each tree) against plain decoding through the same
    engine, greedy and sampled with the same seeds, and plain against ``model.generate`` (greedy).
    In float32 every token must match (gating: a difference is reported with the reference's top-2
@@ -77,9 +77,9 @@ TINY = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_la
             num_key_value_heads=2, max_position_embeddings=4096, tie_word_embeddings=True)
 SMALL = dict(vocab_size=4096, hidden_size=256, intermediate_size=688, num_hidden_layers=4, num_attention_heads=8,
              num_key_value_heads=2, max_position_embeddings=4096, tie_word_embeddings=False)
-# README "Single stream" table: tr-serve bench --per-category 2 (26 Spec-Bench dev questions),
+# an earlier single-stream run (today's figures: docs/benchmarks.md): tr-serve bench --per-category 2 (26 questions),
 # SmolLM2-135M-Instruct, 128 new tokens, hot matrix, prompt seeding on
-README_MAT = {"top2": 1.38, "top4": 1.53, "top8": 1.71, "2.2.2": 2.41}
+EARLIER_CPU_MAT = {"top2": 1.38, "top4": 1.53, "top8": 1.71, "2.2.2": 2.41}
 QUERY_TOKENS = (1, 2, 4, 8, 16, 32, 64, 128)
 CONTEXTS = (512, 2048)
 CONCURRENCY = (1, 8, 32)
@@ -563,8 +563,8 @@ def _shape(loaded) -> dict:
 
 # ---- 2. TR vs plain through the engine -----------------------------------------------------------
 def read_mat(args) -> tuple[dict[str, float], str]:
-    mats = dict(README_MAT)
-    source = "README single-stream table (tr-serve bench, SmolLM2-135M-Instruct, 26 Spec-Bench dev questions, CPU)"
+    mats = dict(EARLIER_CPU_MAT)
+    source = "an earlier CPU single-stream run (tr-serve bench, SmolLM2-135M-Instruct, 26 Spec-Bench dev questions, CPU)"
     if args.bench_json:
         data = json.loads(Path(args.bench_json).read_text())
         found = {name.split(":", 1)[1]: m["mat"] for name, m in data.get("methods", {}).items()

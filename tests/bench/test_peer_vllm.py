@@ -50,7 +50,7 @@ def test_replica_selects_the_questions_and_prompts_tr_serve_bench_does(peer, tok
         assert a.text == b.text
         assert a.prompt_ids == encode_prompt(tokenizer, [{"role": "user", "content": b.text}])
     if per_category == 2:
-        assert len(mine) == 26  # the comparison the README asks for
+        assert len(mine) == 26  # the comparison docs/benchmarks.md runs
 
 
 def test_tr_reference_mode_matches_the_replica(peer, tokenizer):

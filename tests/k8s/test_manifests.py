@@ -27,7 +27,7 @@ CONFIGS = PROJECT_ROOT / "configs"
 SCHEMA_PATH = PROJECT_ROOT.parent / "shared" / "schemas" / "rayservice-v1.schema.json"
 DOCKERFILE = PROJECT_ROOT / "Dockerfile"
 DOCKERIGNORE = PROJECT_ROOT / ".dockerignore"
-README_SECTION = K8S.parent / "README.md"
+K8S_DOC = PROJECT_ROOT / "docs" / "kubernetes.md"  # the deployment guide the manifests are documented in
 
 # manifest -> the Serve config whose applications it deploys
 SERVE_CONFIG_OF = {
@@ -273,8 +273,8 @@ def test_volumes_refer_to_claims_defined_in_k8s(name):
                 assert volume["persistentVolumeClaim"]["claimName"] in claims, group
 
 
-def test_readme_section_names_the_serve_service(name):
-    text = README_SECTION.read_text()
+def test_k8s_doc_names_the_serve_service(name):
+    text = K8S_DOC.read_text()
     manifest_name = load_rayservice(name)["metadata"]["name"]
     assert f"{manifest_name}-serve-svc" in text
     assert f"k8s/{name}" in text
@@ -416,7 +416,7 @@ def test_dockerfile_builds_from_the_ray_image_with_a_base_image_arg():
     assert froms == ["${BASE_IMAGE}"]
     gpu_base = dockerfile_args()["BASE_IMAGE"].replace("-cpu", "-gpu")
     assert f"BASE_IMAGE={gpu_base}" in DOCKERFILE.read_text()
-    assert f"BASE_IMAGE={gpu_base}" in README_SECTION.read_text()
+    assert f"BASE_IMAGE={gpu_base}" in K8S_DOC.read_text()
 
 
 def test_dockerfile_base_image_satisfies_pyproject_and_torch_matches_the_makefile():

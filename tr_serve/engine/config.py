@@ -88,7 +88,7 @@ class EngineConfig:
             raise ValueError(f"unknown device {self.device!r}: use cpu, cuda, cuda:N or mps")
         import torch
 
-        from tr_serve.model_loader import parse_dtype  # "auto": float32 on CPU (README: bfloat16 on CPU)
+        from tr_serve.model_loader import parse_dtype  # "auto": float32 on CPU (docs/kernels.md: bfloat16 on CPU)
 
         if not isinstance(self.dtype, torch.dtype):  # load_model takes a torch dtype too
             parse_dtype(self.dtype, self.device)  # ValueError for an unknown name

@@ -19,12 +19,10 @@ from tr_serve.tr.step_latency import LatencyTable
 logger = logging.getLogger(__name__)
 
 # 17 and 20: past 16 rows the panel GEMM starts another block of rows over each block of weights,
-# which costs a step, not a slope (SmolLM2's linears and LM head, session 26's kernel: 16 -> 17 rows
-# +2.7 ms, 17 -> 20 +1.9; before it, +4 ms and about nothing); interpolating 16 -> 24 hid the step,
-# so a 13-row step bought 3-4 drafts below their price
-# 5-10: the panel GEMM reads 4 panels at a time up to 6 rows, 3 up to 9, and from 10 rows takes them
-# in blocks of 8 rows (session 27), so 7, 9 and 10 tokens cost steps of their own that interpolation
-# from 6, 8 and 12 would misprice
+# which costs a step, not a slope; interpolating 16 -> 24 hid it, so a 13-row step bought drafts
+# below their price (docs/token-recycling.md, "Decisions")
+# 5-10: the panel GEMM changes how many panels and rows it takes at once at 7, 9 and 10 rows
+# (docs/kernels.md), steps that interpolation from 6, 8 and 12 would misprice
 POINTS = (1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 12, 16, 17, 20, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 648)
 
 

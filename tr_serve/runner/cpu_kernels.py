@@ -64,12 +64,9 @@ PREPACKED = ("onednn", "panel")  # kernels that keep a repacked copy of every we
 # prompt tokens (one to four prompts) took 1.01-1.22x as long with torch's linear as with the panel GEMM
 POINTS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 256, 512)
 PACK_HINT = 8  # oneDNN picks its weight layout for this many rows; measured flat from 3 to 16 here
-PLAN_VERSION = 14  # part of the cache key: plans measured by older code (one noisy run each) are measured again
-# (11: the panel GEMM's one-row path got faster, so plans that padded one row to two are measured again;
-# 12: the panel GEMM's credit for the decoder layers' C loop, C_LOOP_CREDIT; 13: the panel GEMM's row
-# blocks for 13-16 rows and its prefetch level per count measured, KernelPlan.panel_wide_narrow and
-# panel_prefetch_l2; 14: the panel GEMM's row blocks shared out evenly for 10-12 and 17-128 rows, which
-# moves the prefetch level's and the kernels' crossovers)
+# part of the cache key: bump it whenever a kernel or the plan's rules change what a plan would pick,
+# so plans measured by older code are measured again (what each change was: git log of this line)
+PLAN_VERSION = 14
 ROUNDS = 5  # interleaved timing rounds per (count, kernel); the minimum is kept
 CONTENDER = 1.5  # after two rounds, kernels slower than this times the best at a count stop being timed there
 RECHECK = 1.10  # a count whose best time exceeds a larger count's by this factor is measured again

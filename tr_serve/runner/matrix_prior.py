@@ -9,8 +9,8 @@ user cache. Recycling overwrites a row the first time its token is verified, so 
 unchanged by it; the fleet's snapshot never erases it (``AdjacencyMatrix.adopt`` keeps a row
 the snapshot holds nothing for). Drafts never change the output, so neither can the prior.
 
-Measured in the README ("The matrix starts from the model's own prior"): on one stream of
-SmolLM2-135M, ``tr:auto`` MAT 1.71 -> 1.87 and 1.50x -> 1.57x plain decoding.
+Measured on one stream of SmolLM2-135M: ``tr:auto`` MAT 1.71 -> 1.87 and 1.50x -> 1.57x plain decoding
+(docs/token-recycling.md, "Decisions").
 
 The embedded model's prior also ships inside the package (``tr_serve/data``, written by
 ``scripts/package_matrix_prior.py``): computing it takes about two minutes on a 2-core CPU, paid

@@ -365,11 +365,8 @@ int tr_panel_gemm(const float *x, int64_t ldx, const float *P, float *y, int64_t
             /* rows in blocks (row_blocks), per sub-block of SPLIT_K k: 7-8 and 13-16 rows in blocks of 4
                over 6 panels at a time (narrow: more weight streams than the registers hold for all
                rows), 10-12 rows and 17 or more in blocks of up to 8 over 3 panels; a run's last panels
-               together. Blocks of 8 over 3 panels, SmolLM2-135M's linears and LM head, 2 threads,
-               medians of 9, against blocks of 8 rows over whole 128-k blocks (session 26, for 13 rows
-               and more) and, for 10-12 rows, 2 panels at a time with all rows in registers: 10 rows
-               24.1 -> 23.2 ms, 12 rows 25.1 -> 24.1, 13 rows 26.3 -> 24.8, 16 rows 28.3 -> 26.8 (9 rows
-               were no faster this way) */
+               together. Why these shapes: docs/kernels.md, "Decisions" (9 rows were no faster this
+               way) */
             const int four = narrow(M), group = four ? NARROW_PANELS : SPLIT_PANELS;
             for (; b < b1; b += group) {
                 const int np = b1 - b < group ? (int)(b1 - b) : group;

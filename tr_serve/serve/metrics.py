@@ -1,4 +1,4 @@
-"""Ray Serve metrics of the HTTP API and the engine (documented in README.md, "Metrics").
+"""Ray Serve metrics of the HTTP API and the engine (documented in docs/serving.md, "Metrics").
 
 Ray exports them to Prometheus with a ``ray_`` prefix and adds the ``deployment``, ``replica`` and
 ``application`` tags; every metric here also carries ``model`` (the served model id).

@@ -95,11 +95,8 @@ class ContextStats:
     of "the j-th retrieved token was the model's choice, given the ones before it were"
     (conditional, observed only when its parent's path was accepted, as for the template).
 
-    Why the agreement: two predictors that agree are right more often. Measured with ``auto`` at 8
-    concurrent rows (24 dev questions x 128 tokens, a hot matrix): the first token of a 2-token
-    match was right 0.69 of the time where the matrix agreed (20% of them) and 0.39 where it did
-    not; the second 0.76 against 0.59. Priced together (0.45, then 0.28 for the path of two), a
-    branch that agreed was cut as short as one that did not."""
+    Why the agreement: two predictors that agree are right more often; priced together, a branch
+    that agreed was cut as short as one that did not (docs/token-recycling.md, "Decisions")."""
 
     # match lengths 2, 3, 4-5, 6+; 1 is a chain from the recycled tables (TABLE_CHAIN_MATCH: the context index
     # matches 2 tokens or more, so a branch of match length 1 is always one of those)

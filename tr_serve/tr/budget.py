@@ -52,22 +52,16 @@ class GainCalibration:
 
 # Lean steps (TreeBudget.lean_next): when fewer than LEAN_BELOW of the recent plans (a moving
 # average with weight 1 - LEAN_DECAY per plan) bought a template node, steps plan the context
-# branches alone. Measured at 8 concurrent rows on the dev questions: 0.01-0.05 template nodes per
-# row-step (the branchless rows' first node right 0.17 of the time, where a query token costs 1.1-1.6
-# ms of a 38 ms step), while drafting the template, walking the branches through it and learning
-# its acceptance cost about 0.6 ms per step.
+# branches alone. Why: at 8 concurrent rows on a CPU plans bought almost no template node while
+# drafting, walking and learning the template still cost host time every step.
 LEAN_BELOW = 0.05
 LEAN_DECAY = 0.9
 # Lean steps also when the template is worth less than it costs: the moving average of the share of a
 # full plan's expected tokens that its template nodes bring, times the step's latency, against the
 # moving average of the host time drafting, planning and learning the template adds to a step
-# (TreeBudget.observe_host). Why: at 4-8 concurrent rows on this CPU plans kept buying a node for a
-# row or two (so the rule above never fired) while the template was expected to bring 1-5% of a
-# step's tokens and cost 0.1-0.4 ms of a 21-31 ms step. Measured offline (continuous batching, 40
-# dev questions x 128 tokens after 16 warm-up ones, two runs each): 8 rows, decode 12.61 / 12.38 ->
-# 12.32 / 12.34 s (host 2.55 / 2.30 -> 2.19 / 1.98 ms a step, about half the steps lean); 4 rows
-# 18.95 / 18.89 -> 18.56 / 18.69 s (3% more steps, 8% fewer query tokens a step); 1 row level (MAT
-# 1.86-1.89 -> 1.84-1.89; the template's share stayed at 8-22%, and the steps full).
+# (TreeBudget.observe_host). Why: at 4-8 concurrent rows plans kept buying a node for a row or two
+# (so the rule above never fired) while the template brought less than its host time cost
+# (measured: docs/token-recycling.md, "Decisions").
 # Steps a plan of rows that all have no context branch is reused for the same row count (while
 # the template's order is the same): such a plan follows the slowly moving estimates and latency
 # alone, and planning it again costs about 0.4 ms a step after a forward (rate lists, plan search).

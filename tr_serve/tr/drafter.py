@@ -51,9 +51,8 @@ class ContextSettings:
 
 
 # Hybrid: a 1-token match is what the matrix already predicts, so the branch needs 2+; long
-# matches earn long branches (the cost-aware budget cuts them by measured acceptance). Measured on
-# 8 dev questions x 96 tokens with 2.2.2+ctx (MAT; 2.2.2 alone 2.15): this 2.36; 1-token matches
-# with 4 tokens per matched token 2.35, with 16 tokens 2.30; 32-token branches 2.37.
+# matches earn long branches (the cost-aware budget cuts them by measured acceptance; the
+# alternatives measured: docs/token-recycling.md, "Decisions").
 HYBRID_CONTEXT = ContextSettings(min_ngram=2, max_ngram=8, max_tokens=16)
 # Prompt lookup as vLLM's n-gram proposer is set up in its CPU examples: n-grams of 2-4, 4 drafts.
 PLD_CONTEXT = ContextSettings(min_ngram=2, max_ngram=4, max_tokens=4)
@@ -63,13 +62,9 @@ PLD_CONTEXT = ContextSettings(min_ngram=2, max_ngram=4, max_tokens=4)
 # bucket: the context index matches 2 tokens or more)
 TABLE_CHAIN_MATCH = 1
 # a confident chain leaves a token only if the model wrote that token's first candidate again, unchanged,
-# at least this many times in a row (AdjacencyMatrix.streak; measured offline, the first candidate was
-# then the model's choice 0.55 of the time at streak 1 and 0.75-0.95 at 2 or more, against 0.26 at
-# streak 0). 1, not 2: where a query token costs a third of a row's expected tokens (8 concurrent rows on
-# a CPU) a 0.55 chance pays, and the budget cuts the chain by its measured acceptance where it does not.
-# Measured with the chain on every step (40 dev questions x 128 tokens, continuous batching after 16
-# warm-up questions, two runs each): 8 rows 384-386 -> 373-375 decode steps (2 -> 1: 377-385), 4 and
-# 1 rows level (658 -> 659-662 and 2047 -> 2048 steps)
+# at least this many times in a row (AdjacencyMatrix.streak). 1, not 2: where a query token costs a third
+# of a row's expected tokens (8 concurrent rows on a CPU) the 0.55 chance of streak 1 pays, and the budget
+# cuts the chain by its measured acceptance where it does not (docs/token-recycling.md, "Decisions")
 CONFIDENT_STREAK = 1
 # A row's branch is the context's (or the recycled tables' chain) or the suffix index's, whichever
 # is worth more: the most of sum(p_j - BRANCH_PRICE) over the branch's prefixes, p_j its path rates.

@@ -19,7 +19,7 @@ Path_ = tuple[int, ...]
 
 # Children per parent of an 80-node tree reconstructed before the paper's template was published:
 # the paper's level profile (8/21/25/15/8/3 nodes, depth 6), but 13 of its 80 paths differ. Kept as
-# "2.2.2-recon" for comparison only (see the README's figures).
+# "2.2.2-recon" for comparison only (docs/benchmarks.md, "Draft templates").
 _RECON_CHILDREN: dict[Path_, int] = {
     (): 8,
     (0,): 8, (1,): 5, (2,): 3, (3,): 2, (4,): 1, (5,): 1, (6,): 1,

@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 DEFAULT_TEMPLATE = "2.2.2"
-# the engine's default: the best configuration measured on the dev questions (README figures)
+# the engine's default: the best configuration measured on the dev questions (docs/benchmarks.md)
 DEFAULT_TREE_SETTING = "auto"
 CONTEXT_SUFFIX = "+ctx"
 PLAIN_NAMES = ("none", "off", "")
