@@ -64,11 +64,11 @@ def test_auto_verifies_the_best_estimated_nodes(tokenizer, tmp_path, monkeypatch
     loaded = tiny_loaded(tokenizer, seed=3, init_range=0.1)
     plain = run(Engine(loaded, EngineConfig(model="tiny", tree="none", max_model_len=256)), PROMPT, 64)
     engine = Engine(loaded, EngineConfig(model="tiny", tree="auto", max_model_len=256))
-    assert engine.speculator.drafter.acceptance is engine.speculator.drafter.budget.acceptance and engine.speculator.drafter.budget.context_stats is not None
+    drafter = engine.speculator.drafter
+    assert drafter.acceptance is drafter.budget.acceptance and drafter.budget.context_stats is not None
     assert run(engine, PROMPT, 64) == plain
     # a re-ranking orders the nodes by estimated path rate: every prefix is a tree and the rates
     # never increase along the order
-    drafter = engine.speculator.drafter
     rates = drafter.acceptance.rates
     drafter.budget.reorder(rates.tolist())
     paths = drafter.template.template

@@ -38,8 +38,7 @@ class Engine:
     what each step runs, the runner runs it, the speculator (tr/speculator.py) drafts and learns."""
 
     def __init__(self, loaded: LoadedModel, config: EngineConfig, matrix: AdjacencyMatrix | None = None,
-                 timer: PhaseTimer | None = None,
-                 runner: Callable[[int], StepRunner] | None = None):
+                 timer: PhaseTimer | None = None, runner: Callable[[int], StepRunner] | None = None):
         """``matrix``: an ``AdjacencyMatrix`` to start from (its learned rows are kept).
         ``runner``: None runs the model in this process (runner/factory.py over ``loaded.model``);
         otherwise ``runner(max_len)`` builds another runner of the contract (runner/step_io.py),
@@ -101,7 +100,8 @@ class Engine:
         """``namespace``: the request's tenant (None: the default one); the suffix index drafts for
         it from the text of requests of the same namespace only."""
         check_prompt(prompt_ids, self.config.max_model_len)
-        req = Request(request_id or f"req-{next(_ids)}", list(prompt_ids), params, IncrementalDetokenizer(self.tokenizer))
+        req = Request(request_id or f"req-{next(_ids)}", list(prompt_ids), params,
+                      IncrementalDetokenizer(self.tokenizer))
         if namespace is not None:
             req.namespace = namespace
         self.scheduler.add(req)  # ValueError for an id in use, before anything else is made for it
