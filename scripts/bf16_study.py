@@ -335,7 +335,7 @@ def run_study(load: Callable[[str], Any], dtypes: Sequence[str] = DEFAULT_DTYPES
     interleaved forward latency (``latency_rounds`` rounds; 0 skips it). Returns the JSON-ready result."""
     from tr_serve.bench.questions import DEFAULT_QUESTIONS
     from tr_serve.bench.records import read_questions, select_questions, warmup_questions
-    from tr_serve.llm import encode_prompt
+    from tr_serve.engine.prompt import encode_prompt
 
     chosen, rest = select_questions(read_questions(questions or DEFAULT_QUESTIONS), per_category)
     warm = warmup_questions(chosen, rest, warmup)

@@ -22,7 +22,8 @@ from collections import OrderedDict
 import torch
 
 from tr_serve.data import SPEC_BENCH_DEV
-from tr_serve.llm import LLM, encode_prompt
+from tr_serve.engine.prompt import encode_prompt
+from tr_serve.llm import LLM
 from tr_serve.model_loader import load_model
 from tr_serve.sampling_params import SamplingParams
 
@@ -71,7 +72,7 @@ def main() -> None:
             llm = LLM(tree="auto", loaded=loaded, max_num_seqs=1, max_model_len=max_model_len, suffix_index=suffix == "on",
                       pair_table=args.pair_table or None)
             if nodes:
-                llm.engine.drafter.budget.fixed_nodes = nodes
+                llm.engine.speculator.drafter.budget.fixed_nodes = nodes
             variants.append((f"{'auto' if not nodes else f'{nodes} nodes'}, suffix {suffix}", llm))
     params = SamplingParams(max_tokens=args.max_new_tokens)
     stats = {name: [0, 0, 0, 0.0, 0] for name, _ in variants}  # accepted, steps, nodes, seconds, new tokens

@@ -19,10 +19,11 @@ from collections import OrderedDict
 import torch
 
 from tr_serve.data import PAPER_TREE_2_2_2_ORDER, SPEC_BENCH_DEV
-from tr_serve.llm import LLM, encode_prompt
+from tr_serve.engine.prompt import encode_prompt
+from tr_serve.llm import LLM
 from tr_serve.model_loader import load_model
 from tr_serve.sampling_params import SamplingParams
-from tr_serve.tr.budget import AcceptanceStats
+from tr_serve.tr.acceptance_stats import AcceptanceStats
 from tr_serve.tr.tree import DEFAULT_TREE, order_by_rates
 
 SKIP_PER_CATEGORY = 2  # the benchmark measures the first questions of each category
@@ -45,7 +46,7 @@ def main() -> None:
 
     loaded = load_model("smollm2-135m-instruct")
     llm = LLM(tree="2.2.2", loaded=loaded, max_num_seqs=1)
-    drafter = llm.engine.drafter
+    drafter = llm.engine.speculator.drafter
     stats = AcceptanceStats(drafter.template, decay=1.0, prior_weight=0.0)
     drafter.acceptance = stats  # observed on every step from now on
     params = SamplingParams(max_tokens=args.max_new_tokens)

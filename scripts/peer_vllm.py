@@ -98,7 +98,7 @@ positive_int, non_negative_int = _cli_args.positive_int, _cli_args.non_negative_
 # ---- prompts: a replica of tr_serve's encoding (tests/bench/test_peer_vllm.py checks it) ----------
 
 def encode_chat(tokenizer, text: str) -> list[int]:
-    """``tr_serve.llm.encode_prompt`` of one user message: the chat template, assistant turn opened."""
+    """``tr_serve.engine.prompt.encode_prompt`` of one user message: the chat template, assistant turn opened."""
     ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
                                         tokenize=True, return_dict=False)
     if isinstance(ids, dict) or hasattr(ids, "keys"):
@@ -159,7 +159,7 @@ def tr_reference(questions_file: str, per_category: int, warmup: int, model_dir:
     from tr_serve.bench.records import read_questions as tr_read
     from tr_serve.bench.records import select_questions as tr_select
     from tr_serve.bench.records import warmup_questions as tr_warmup
-    from tr_serve.llm import encode_prompt
+    from tr_serve.engine.prompt import encode_prompt
 
     model_dir = model_dir or tr_model_dir()
     tokenizer = AutoTokenizer.from_pretrained(model_dir)

@@ -11,7 +11,7 @@ import torch
 
 from tr_serve import LLM, SamplingParams
 from tr_serve.data import SPEC_BENCH_DEV
-from tr_serve.llm import encode_prompt
+from tr_serve.engine.prompt import encode_prompt
 
 SPEC_BENCH = SPEC_BENCH_DEV  # packaged with tr_serve (tr_serve/data)
 # Sized for CI's 20 minutes on a slow 2-core day: at 12 prompts x 48 tokens this file took 10 of
@@ -81,7 +81,7 @@ def test_lossless_hot_matrix(loaded, bench_prompts, references, tree):
     """One engine over every prompt, its matrix started as a new replica's: the model's prior in
     every row (runner/matrix_prior.py) where the tree drafts from the matrix."""
     llm = LLM(tree=tree, loaded=loaded, max_num_seqs=1)
-    prior_rows = llm.engine.matrix.vocab_size if llm.engine.spec.uses_matrix else 0
+    prior_rows = llm.engine.matrix.vocab_size if llm.engine.speculator.uses_matrix else 0
     assert llm.engine.matrix.num_filled_rows() == prior_rows
     params = SamplingParams(max_tokens=NEW_TOKENS)
     mats = []

@@ -6,13 +6,13 @@ from typing import Sequence
 
 from tr_serve.engine.config import DEFAULT_MODEL, EngineConfig
 from tr_serve.engine.engine import Engine
-from tr_serve.engine.prompt import ChatMessages, Prompt, encode_prompt  # re-exported: older imports read them here
+from tr_serve.engine.prompt import Prompt, encode_prompt
 from tr_serve.engine.request import RequestOutput
 from tr_serve.model_loader import LoadedModel, load_model
 from tr_serve.sampling_params import SamplingParams
 from tr_serve.tr.tree_spec import DEFAULT_TREE_SETTING
 
-__all__ = ["LLM", "ChatMessages", "Prompt", "encode_prompt"]
+__all__ = ["LLM"]
 
 
 class LLM:

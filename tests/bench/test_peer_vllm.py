@@ -16,7 +16,7 @@ from tr_serve.bench.records import Run, read_questions, select_questions, warmup
 from tr_serve.bench.summary import summarize
 from tr_serve.bench.report import markdown_tables
 from tr_serve.data import SPEC_BENCH_DEV
-from tr_serve.llm import encode_prompt
+from tr_serve.engine.prompt import encode_prompt
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -11,7 +11,8 @@ import pytest
 from tiny_model import tiny_loaded
 from tr_serve.engine.async_engine import AsyncEngine
 from tr_serve.engine.config import EngineConfig
-from tr_serve.engine.engine import Engine, PromptTooLongError
+from tr_serve.engine.engine import Engine
+from tr_serve.engine.errors import PromptTooLongError
 from tr_serve.sampling_params import SamplingParams
 
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from tr_serve import LLM, SamplingParams
-from tr_serve.llm import encode_prompt
+from tr_serve.engine.prompt import encode_prompt
 
 
 def chat(text: str) -> list[dict[str, str]]:
@@ -49,7 +49,7 @@ def test_lean_steps_are_lossless(loaded, spec_bench_rows):
     params = SamplingParams(max_tokens=32)
     llm = LLM(tree="auto", loaded=loaded, max_num_seqs=8, max_prefill_tokens=96)
     llm.engine.matrix.streak.fill_(CONFIDENT_STREAK)  # every row confident: rows with no context match get chains
-    budget = llm.engine.drafter.budget
+    budget = llm.engine.speculator.drafter.budget
     budget.template_use = 0.0  # as after a run of plans that bought no template node
     lean = []
     plan_branches = budget.plan_branches

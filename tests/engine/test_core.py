@@ -30,7 +30,7 @@ class _RemoteRunner(ModelRunner):
 def _engine(tokenizer, remote: bool = False) -> Engine:
     loaded = tiny_loaded(tokenizer)
     config = EngineConfig(model="tiny", tree="top4", max_num_seqs=2, max_model_len=64)
-    runner = (lambda max_len: (_RemoteRunner(loaded.model, 2, max_len), 2)) if remote else None
+    runner = (lambda max_len: _RemoteRunner(loaded.model, 2, max_len)) if remote else None
     return Engine(loaded, config, runner=runner)
 
 

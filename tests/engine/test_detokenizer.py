@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from tr_serve import SamplingParams
 from tr_serve.engine.detokenizer import REPLACEMENT, IncrementalDetokenizer
-from tr_serve.llm import LLM, encode_prompt
+from tr_serve.engine.prompt import encode_prompt
+from tr_serve.llm import LLM
 
 TEXT = "Hello 👋 world! 你好，世界 🎉🚀 naïve café — done. Ünïcödé ∑ x² ≠ 𝔘 end"
 

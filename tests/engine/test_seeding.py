@@ -41,7 +41,7 @@ def test_seeding_follows_the_method_unless_forced(tokenizer, tmp_path, monkeypat
     engine = Engine(tiny_loaded(tokenizer, seed=6), EngineConfig(model="tiny", tree=tree, budget=budget,
                                                                  max_num_seqs=1, max_model_len=64,
                                                                  prompt_seeding=setting))
-    assert engine.seeds_prompts is seeds
+    assert engine.speculator.seeds_prompts is seeds
     assert _seeded_prefills(engine) == [seeds, seeds]
 
 

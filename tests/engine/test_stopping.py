@@ -9,9 +9,10 @@ import torch
 
 from tr_serve import SamplingParams
 from tr_serve.engine.detokenizer import IncrementalDetokenizer
+from tr_serve.engine.prompt import encode_prompt
 from tr_serve.engine.request import FinishReason, Request
 from tr_serve.engine.stopping import append_token
-from tr_serve.llm import LLM, encode_prompt
+from tr_serve.llm import LLM
 
 EOS = 0
 

@@ -48,7 +48,7 @@ def test_one_sync_per_engine_step(tokenizer, tmp_path, monkeypatch, tree, rows):
     loaded = tiny_loaded(tokenizer, seed=2)
 
     def runner(max_len: int):
-        return ModelRunner(loaded.model, ROWS, max_len, tree_attention_enabled=False, device=AUDIT_DEVICE), ROWS
+        return ModelRunner(loaded.model, ROWS, max_len, tree_attention_enabled=False, device=AUDIT_DEVICE)
 
     audit = SyncAudit()
     with audit:  # the KV cache is made on the audited device

@@ -22,12 +22,12 @@ from tiny_model import tiny_loaded  # noqa: E402
 from tr_serve.engine.async_engine import AsyncEngine  # noqa: E402
 from tr_serve.engine.config import EngineConfig  # noqa: E402
 from tr_serve.engine.engine import Engine  # noqa: E402
+from tr_serve.engine.prompt import encode_prompt  # noqa: E402
 from tr_serve.fleet import FleetSyncConfig  # noqa: E402
 from tr_serve.fleet.actor import get_actor, stop_matrix_actor  # noqa: E402
 from tr_serve.fleet.corpus_file import PREFIX as CORPUS_PREFIX  # noqa: E402
 from tr_serve.fleet.snapshot import snapshot_files  # noqa: E402
 from tr_serve.fleet.sync import MatrixSync  # noqa: E402
-from tr_serve.llm import encode_prompt  # noqa: E402
 from tr_serve.sampling_params import SamplingParams  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")

@@ -15,7 +15,7 @@ import pytest
 from tp_testutil import PROMPTS, assert_same_or_near_tie, dev_questions, run, tiny
 from tr_serve.engine.config import EngineConfig
 from tr_serve.engine.engine import Engine
-from tr_serve.llm import encode_prompt
+from tr_serve.engine.prompt import encode_prompt
 from tr_serve.sampling_params import SamplingParams
 
 
@@ -33,7 +33,7 @@ def test_tiny_model_matches_unsharded(ray_tp, tokenizer, world, budget):
         assert runner.info["kv_heads_per_rank"] == 6 // world and runner.info["heads_per_rank"] == 12 // world
         assert engine.matrix is not None and engine.config.online_latency  # nothing is switched off under TP
         if budget == "auto":  # the budget's latency table was measured through the TP runner
-            assert engine.drafter.latency is not None
+            assert engine.speculator.drafter.budget.latency is not None
         # a sampled request without a seed: drawn once, on the replica
         got, done, _ = run(engine, PROMPTS, 24, extra={"sampled": SamplingParams(max_tokens=24, temperature=1.0)})
         assert got == want

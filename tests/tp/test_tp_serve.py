@@ -17,7 +17,7 @@ import yaml
 from tp_testutil import dev_questions, free_port
 from tr_serve.engine.config import EngineConfig
 from tr_serve.engine.engine import Engine
-from tr_serve.llm import encode_prompt
+from tr_serve.engine.prompt import encode_prompt
 from tr_serve.sampling_params import SamplingParams
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -84,7 +84,7 @@ def run(engine, prompts, max_tokens: int, extra: dict[str, SamplingParams] | Non
     for rid, params in (extra or {}).items():
         engine.add_request(prompts[0], params, request_id=rid)
     total = len(prompts) + len(extra or {})
-    assert len(engine.waiting) + len(engine.prefilling) + len(engine.running) == total
+    assert len(engine.scheduler.waiting) + len(engine.prefilling) + len(engine.running) == total
     done, steps = {}, 0
     while engine.has_unfinished():
         for o in engine.step():
@@ -92,7 +92,7 @@ def run(engine, prompts, max_tokens: int, extra: dict[str, SamplingParams] | Non
                 done[o.request_id] = o.token_ids
         steps += 1
         busy = len(engine.prefilling) + len(engine.running)
-        assert engine.num_rows - len(engine.free_rows) == busy
+        assert engine.num_rows - len(engine.scheduler.free_rows) == busy
         runner = engine.runner
         if hasattr(runner, "workers") and not runner._pending:  # every queued call has reached the ranks
             mirror = [runner.length(r) for r in range(engine.num_rows)]

@@ -51,9 +51,9 @@ def test_hybrid_trees_are_the_template_plus_a_branch_and_stay_lossless(tokenizer
     plain = run(Engine(loaded, EngineConfig(model="tiny", tree="none", max_model_len=128)), PROMPT)
     engine = Engine(loaded, EngineConfig(model="tiny", tree="top4+ctx", max_model_len=128))
     drafts = []
-    spy(engine.drafter, "draft", lambda _, batch: drafts.append(batch))
+    spy(engine.speculator.drafter, "draft", lambda _, batch: drafts.append(batch))
     assert run(engine, PROMPT) == plain
-    assert all(d.num_template_nodes == 4 for d in drafts)
+    assert all(d.template_nodes.numel() == 4 for d in drafts)
     assert any(d.chain_columns[0] for d in drafts), "the repeating prompt should give a context branch"
     assert max(d.num_nodes for d in drafts) > 4  # some branch went beyond the template's nodes
     assert engine.matrix.num_filled_rows() > 0
@@ -64,11 +64,11 @@ def test_auto_verifies_the_best_estimated_nodes(tokenizer, tmp_path, monkeypatch
     loaded = tiny_loaded(tokenizer, seed=3, init_range=0.1)
     plain = run(Engine(loaded, EngineConfig(model="tiny", tree="none", max_model_len=256)), PROMPT, 64)
     engine = Engine(loaded, EngineConfig(model="tiny", tree="auto", max_model_len=256))
-    assert engine.drafter.acceptance is engine.drafter.budget.acceptance and engine.drafter.budget.context_stats is not None
+    drafter = engine.speculator.drafter
+    assert drafter.acceptance is drafter.budget.acceptance and drafter.budget.context_stats is not None
     assert run(engine, PROMPT, 64) == plain
     # a re-ranking orders the nodes by estimated path rate: every prefix is a tree and the rates
     # never increase along the order
-    drafter = engine.drafter
     rates = drafter.acceptance.rates
     drafter.budget.reorder(rates.tolist())
     paths = drafter.template.template
@@ -88,18 +88,18 @@ def test_the_fixed_hybrid_drafts_from_the_pair_table_and_stays_lossless(tokenize
     loaded = tiny_loaded(tokenizer, seed=3, init_range=0.1)
     plain = run(Engine(loaded, EngineConfig(model="tiny", tree="none", max_model_len=128)), PROMPT, 40)
     hybrid = Engine(loaded, EngineConfig(model="tiny", tree="2.2.2+ctx", max_model_len=128))
-    assert hybrid.pairs is not None and hybrid.drafter.pairs is hybrid.pairs
+    assert hybrid.speculator.pairs is not None and hybrid.speculator.drafter.pairs is hybrid.speculator.pairs
     befores = []
-    spy(hybrid.drafter, "draft", lambda args, result: befores.append(args[3]))
+    spy(hybrid.speculator.drafter, "draft", lambda args, result: befores.append(args[3]))
     assert run(hybrid, PROMPT, 40) == plain
-    assert hybrid.pairs.num_filled() > 0
+    assert int((hybrid.speculator.pairs.keys >= 0).sum()) > 0
     assert all(b is not None for b in befores) and int(befores[0][0]) == PROMPT[-1]  # the first root: the prompt's last token before it
     # the paper's template drafts from the matrix alone, unless asked
-    assert Engine(loaded, EngineConfig(model="tiny", tree="2.2.2", max_model_len=128)).pairs is None
+    assert Engine(loaded, EngineConfig(model="tiny", tree="2.2.2", max_model_len=128)).speculator.pairs is None
     opted = Engine(loaded, EngineConfig(model="tiny", tree="2.2.2", max_model_len=128, pair_table=True))
-    assert run(opted, PROMPT, 40) == plain and opted.pairs.num_filled() > 0
+    assert run(opted, PROMPT, 40) == plain and int((opted.speculator.pairs.keys >= 0).sum()) > 0
     off = Engine(loaded, EngineConfig(model="tiny", tree="2.2.2+ctx", max_model_len=128, pair_table=False))
-    assert off.pairs is None and run(off, PROMPT, 40) == plain
+    assert off.speculator.pairs is None and run(off, PROMPT, 40) == plain
 
 
 def test_auto_hangs_the_pair_tables_chain_where_the_context_has_no_match(tokenizer):
@@ -108,18 +108,18 @@ def test_auto_hangs_the_pair_tables_chain_where_the_context_has_no_match(tokeniz
     loaded = tiny_loaded(tokenizer, seed=3, init_range=0.1)
     prompt = [5, 17, 230, 402, 9, 33, 71, 12]  # no repeated n-gram: the context index finds nothing at first
     plain = run(Engine(loaded, EngineConfig(model="tiny", tree="none", max_model_len=128)), prompt, 40)
-    assert Engine(loaded, EngineConfig(model="tiny", tree="auto", max_model_len=128)).pairs is None  # opt-in
+    assert Engine(loaded, EngineConfig(model="tiny", tree="auto", max_model_len=128)).speculator.pairs is None  # opt-in
     engine = Engine(loaded, EngineConfig(model="tiny", tree="auto", max_model_len=128, pair_table=True))
-    assert engine.pairs is not None
-    engine.pairs.write(torch.tensor([prompt[-1]]), torch.tensor([plain[0]]), torch.tensor([[plain[1]] * 8]))
-    engine.pairs.write(torch.tensor([plain[0]]), torch.tensor([plain[1]]), torch.tensor([[plain[2]] * 8]))
+    assert engine.speculator.pairs is not None
+    engine.speculator.pairs.write(torch.tensor([prompt[-1]]), torch.tensor([plain[0]]), torch.tensor([[plain[1]] * 8]))
+    engine.speculator.pairs.write(torch.tensor([plain[0]]), torch.tensor([plain[1]]), torch.tensor([[plain[2]] * 8]))
     plans = []
-    spy(engine.drafter.budget, "plan", lambda args, result: plans.append((list(args[2][0]), args[3][0])))
+    spy(engine.speculator.drafter.budget, "plan", lambda args, result: plans.append((list(args[2][0]), args[3][0])))
     assert run(engine, prompt, 40) == plain
     # the first step: the context has no match, the pair table holds two steps of the real text
     chain, match = plans[0]
     assert match == TABLE_CHAIN_MATCH and chain[:2] == [plain[1], plain[2]] and chain == plain[1 : 1 + len(chain)]
-    assert engine.drafter.budget.context_stats.trials[0].sum() > 0  # the chain's own acceptance was observed
+    assert engine.speculator.drafter.budget.context_stats.trials[0].sum() > 0  # the chain's own acceptance was observed
 
 
 def test_auto_hangs_the_matrix_confident_chain_on_every_step_where_the_context_has_no_match(tokenizer):
@@ -130,12 +130,12 @@ def test_auto_hangs_the_matrix_confident_chain_on_every_step_where_the_context_h
     plain = run(Engine(loaded, EngineConfig(model="tiny", tree="none", max_model_len=128)), prompt, 40)
     for lean in (True, False):
         engine = Engine(loaded, EngineConfig(model="tiny", tree="auto", max_model_len=128))
-        assert engine.pairs is None
+        assert engine.speculator.pairs is None
         m = engine.matrix
         m.table[plain[0], 0], m.table[plain[1], 0] = plain[1], plain[2]  # two steps of the real text, confident
         m.streak[plain[0]] = m.streak[plain[1]] = CONFIDENT_STREAK
         m.streak[plain[2]] = CONFIDENT_STREAK - 1  # not confident: the chain ends at plain[2]
-        budget = engine.drafter.budget
+        budget = engine.speculator.drafter.budget
         if lean:
             budget.template_use = 0.0  # recent plans bought no template node: the next steps are lean
         plans = []
@@ -162,9 +162,9 @@ def test_auto_drafts_another_requests_continuation_from_the_suffix_index_within_
     prompt = [5, 17, 230, 402, 9, 33, 71, 12]  # no repeated n-gram: the context index finds nothing at first
     plain = run(Engine(loaded, EngineConfig(model="tiny", tree="none", max_model_len=128)), prompt, 40)
     engine = Engine(loaded, EngineConfig(model="tiny", tree="auto", max_model_len=128))
-    assert engine.suffix is not None and engine.drafter.suffix is engine.suffix  # auto's default
+    assert engine.suffix is not None and engine.speculator.drafter.suffix is engine.suffix  # auto's default
     drafts = []
-    spy(engine.drafter, "draft", lambda args, batch: drafts.append(batch))
+    spy(engine.speculator.drafter, "draft", lambda args, batch: drafts.append(batch))
     assert run(engine, prompt, 40) == plain
     assert not any(any(d.branch_cells) for d in drafts)  # nothing else was indexed yet
     assert engine.suffix.num_documents() == 1 and engine.suffix.num_tokens == len(prompt) + 40
@@ -178,7 +178,7 @@ def test_auto_drafts_another_requests_continuation_from_the_suffix_index_within_
         # the branch is the first answer's continuation: the root and the branch are its text
         walk = [int(d.tokens[0, 0])] + [int(d.tokens[0, c]) for c in d.chain_columns[0]]
         assert any(text[i : i + len(walk)] == walk for i in range(len(text))), walk
-    stats = engine.drafter.budget.suffix_stats
+    stats = engine.speculator.drafter.budget.suffix_stats
     assert stats.trials.sum() > 2 * len(stats.trials)  # observed beyond the priors' weight of 2 per cell
     # another tenant's identical request never drafts from this text
     drafts.clear()
@@ -214,7 +214,7 @@ def test_a_running_requests_text_drafts_for_a_later_one(tokenizer):
     plain = run(Engine(loaded, EngineConfig(model="tiny", tree="none", max_model_len=128)), prompt, 40)
     engine = Engine(loaded, EngineConfig(model="tiny", tree="auto", max_model_len=128, max_num_seqs=2))
     drafts = []
-    spy(engine.drafter, "draft", lambda args, batch: drafts.append(batch))
+    spy(engine.speculator.drafter, "draft", lambda args, batch: drafts.append(batch))
     params = SamplingParams(max_tokens=40, ignore_eos=True)
     first = engine.add_request(prompt, params)
     outs = {}

@@ -9,7 +9,7 @@ from test_matrix import V, logits_ranking
 
 from tr_serve.tr.matrix import EMPTY, AdjacencyMatrix
 from tr_serve.tr.pair_table import PairTable
-from tr_serve.tr.proposer import _propose_device, _propose_host, propose
+from tr_serve.tr.proposer import propose
 from tr_serve.tr.tree import DEFAULT_TREE, compile_tree
 
 
@@ -24,11 +24,8 @@ def test_a_stored_pair_drafts_its_row_and_an_unseen_pair_the_tokens_row():
     m.table[3] = torch.tensor([1, 2], dtype=torch.int32)
     pairs.write(torch.tensor([7]), torch.tensor([3]), torch.tensor([[8, 9]]))
     table = m.table.numpy()
-    got = pairs.successors_host(table, np.array([[7], [6], [EMPTY]]), np.array([[3], [3], [3]]), np.array([[0, 1]]))
+    got = pairs.successors(table, np.array([[7], [6], [EMPTY]]), np.array([[3], [3], [3]]), np.array([[0, 1]]))
     assert got.tolist() == [[8, 9], [1, 2], [1, 2]]  # the pair; an unseen pair; no token before
-    dev = pairs.successors(m.table, torch.tensor([[7], [6], [EMPTY]]), torch.tensor([[3], [3], [3]]),
-                           torch.tensor([[0, 1]]))
-    assert dev.tolist() == got.tolist()
 
 
 def test_a_pair_that_lost_its_slot_falls_back_to_the_matrix():
@@ -37,9 +34,9 @@ def test_a_pair_that_lost_its_slot_falls_back_to_the_matrix():
     m.table[:] = 5
     pairs.write(torch.tensor([1]), torch.tensor([2]), torch.tensor([[7]]))
     pairs.write(torch.tensor([3]), torch.tensor([4]), torch.tensor([[8]]))
-    got = pairs.successors_host(m.table.numpy(), np.array([1, 3]), np.array([2, 4]), np.array([0, 0]))
+    got = pairs.successors(m.table.numpy(), np.array([1, 3]), np.array([2, 4]), np.array([0, 0]))
     assert got.tolist() == [5, 8]
-    assert pairs.num_filled() == 1
+    assert int((pairs.keys >= 0).sum()) == 1
 
 
 def test_one_write_of_two_pairs_in_one_slot_keeps_a_pair_with_its_own_row():
@@ -52,7 +49,7 @@ def test_one_write_of_two_pairs_in_one_slot_keeps_a_pair_with_its_own_row():
 def test_pairs_with_no_token_before_are_not_written():
     pairs = PairTable(V, 1, slots=8)
     pairs.write(torch.tensor([EMPTY]), torch.tensor([2]), torch.tensor([[7]]))
-    assert pairs.num_filled() == 0
+    assert int((pairs.keys >= 0).sum()) == 0
 
 
 def reference_propose(m: AdjacencyMatrix, pairs: PairTable, root: int, before: int, tree) -> list[int]:
@@ -72,7 +69,7 @@ def reference_propose(m: AdjacencyMatrix, pairs: PairTable, root: int, before: i
     return tokens
 
 
-def test_propose_with_pairs_matches_the_reference_on_host_and_device():
+def test_propose_with_pairs_matches_the_reference():
     g = torch.Generator().manual_seed(3)
     m = AdjacencyMatrix(V, k=8)
     m.table.copy_(torch.randint(0, V, (V, 8), generator=g, dtype=torch.int32))
@@ -84,10 +81,8 @@ def test_propose_with_pairs_matches_the_reference_on_host_and_device():
     tree = compile_tree(DEFAULT_TREE)
     roots, before = torch.tensor([0, 5, 7, V - 1]), torch.tensor([3, EMPTY, 7, 1])
     want = [reference_propose(m, pairs, int(r), int(b), tree) for r, b in zip(roots, before)]
-    host = _propose_host(m.table.numpy(), roots, tree, None, pairs, before.numpy())
+    host = propose(m, roots, tree, pairs=pairs, before=before)
     assert host.tolist() == want
-    assert torch.equal(_propose_device(m.table, roots, tree, None, pairs, before), host)
-    assert torch.equal(propose(m, roots, tree, pairs=pairs, before=before), host)
     assert not torch.equal(host, propose(m, roots, tree))  # the pairs changed the draft
     shallow = propose(m, roots, tree, 2, pairs, before)
     assert torch.equal(shallow[:, : 1 + 8 + 21], host[:, : 1 + 8 + 21])
@@ -103,20 +98,20 @@ def test_recycle_writes_each_pairs_row_with_the_preferred_node_winning():
               before=before)
     assert m.table[4].tolist() == [2, 3]  # the matrix: the preferred occurrence of token 4
     assert m.table[6].tolist() == [8, 9]
-    got = pairs.successors_host(np.full((V, 2), EMPTY, dtype=np.int32), np.array([[1], [2], [3]]),
-                                np.array([[4], [4], [4]]), np.array([[0, 1]]))
+    got = pairs.successors(np.full((V, 2), EMPTY, dtype=np.int32), np.array([[1], [2], [3]]),
+                           np.array([[4], [4], [4]]), np.array([[0, 1]]))
     assert got.tolist() == [[0, 1], [2, 3], [EMPTY, EMPTY]]  # pair (2, 4): the preferred node 1
-    assert pairs.num_filled() == 2
+    assert int((pairs.keys >= 0).sum()) == 2
 
 
 def test_clear_empties_the_table():
     pairs = PairTable(V, 1, slots=8)
     pairs.write(torch.tensor([1]), torch.tensor([2]), torch.tensor([[7]]))
     pairs.clear()
-    assert pairs.num_filled() == 0 and bool((pairs.rows == EMPTY).all())
+    assert int((pairs.keys >= 0).sum()) == 0 and bool((pairs.rows == EMPTY).all())
 
 
-def test_chains_follow_stored_pairs_to_the_first_missing_one_on_host_and_device():
+def test_chains_follow_stored_pairs_to_the_first_missing_one():
     pairs = PairTable(V, 2, slots=1 << 8)
     # (1, 2) -> 3, (2, 3) -> 4, (3, 4) not stored; (5, 6) -> 7, (6, 7) -> 6, (7, 6) -> 7: a loop
     pairs.write(torch.tensor([1, 2, 5, 6, 7]), torch.tensor([2, 3, 6, 7, 6]),
@@ -125,5 +120,4 @@ def test_chains_follow_stored_pairs_to_the_first_missing_one_on_host_and_device(
     lengths = [8, 5, 8, 8, 1]
     want = [[3, 4], [7, 6, 7, 6, 7], [], [], [3]]  # no token before; an unseen pair; a cap of 1
     assert pairs.chains(before, roots, lengths) == want
-    assert pairs._chains_device(before, roots, lengths) == want
     assert pairs.chains(before, roots, [0] * 5) == [[]] * 5

@@ -103,10 +103,8 @@ def test_max_depth_fills_only_the_shallow_levels():
     assert two[0].tolist() == [1, 2, 3, 4, 5, EMPTY]
 
 
-def test_host_and_device_paths_draft_alike():
-    # a CPU table drafts in numpy; a GPU one with torch ops on its device: same tokens, EMPTY included
-    from tr_serve.tr.proposer import _propose_device, _propose_host
-
+def test_propose_fills_every_node_from_its_parents_row_down_to_the_depth_asked():
+    # the reference, node by node in level order: EMPTY under an EMPTY parent and below max_depth
     g = torch.Generator().manual_seed(2)
     m = AdjacencyMatrix(V, k=8)
     m.table.copy_(torch.randint(0, V, (V, 8), generator=g, dtype=torch.int32))
@@ -114,7 +112,13 @@ def test_host_and_device_paths_draft_alike():
     tree = compile_tree(DEFAULT_TREE)
     roots = torch.tensor([0, 5, 7, V - 1])
     for depth in (None, 1, 3):
-        host = _propose_host(m.table.numpy(), roots, tree, depth)
-        assert host.dtype == torch.long and torch.equal(host, _propose_device(m.table, roots, tree, depth))
-        assert torch.equal(propose(m, roots, tree, depth), host)
-    assert (host == EMPTY).any() and (host[:, 1:] != EMPTY).any()
+        got = propose(m, roots, tree, depth)
+        for r, root in enumerate(roots.tolist()):
+            want = [root]
+            for i in range(1, tree.num_nodes + 1):
+                parent = want[int(tree.parents[i])]
+                deep = depth is not None and int(tree.depths[i]) > depth
+                want.append(EMPTY if parent == EMPTY or deep else int(m.table[parent, int(tree.ranks[i])]))
+            assert got[r].tolist() == want
+        assert got.dtype == torch.long
+    assert (got == EMPTY).any() and (got[:, 1:] != EMPTY).any()

@@ -51,7 +51,7 @@ def summarize(methods: list[Method], categories: list[str]) -> dict:
         if m.kind in ("tr", "pld"):
             entry["tree"] = m.tree
         if m.kind == "tr":
-            entry["prompt_seeding"] = m.llm.engine.seeds_prompts if m.llm is not None else m.prompt_seeding
+            entry["prompt_seeding"] = m.llm.engine.speculator.seeds_prompts if m.llm is not None else m.prompt_seeding
             entry["matrix_prior"] = m.matrix_prior
         if m.kind == "hf":
             entry["prompt_lookup_num_tokens"] = m.lookup or None

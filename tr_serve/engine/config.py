@@ -33,15 +33,15 @@ class EngineConfig:
     device: str = "cpu"
     dtype: str = "auto"
     # recycle the prompt's logits into the matrix at prefill: None = fixed templates do, "auto" does
-    # not (measured: MAT +0.09-0.10 for fixed trees, none for "auto"; Engine.seeds_prompts)
+    # not (measured: MAT +0.09-0.10 for fixed trees, none for "auto"; Speculator.seeds_prompts)
     prompt_seeding: bool | None = None
     # second-order rows keyed by (token before, token) beside the matrix (tr/pair_table.py): None =
     # the fixed hybrid templates (``<template>+ctx``) use them, ``auto`` and a bare template (the
-    # paper's method) do not (Engine.uses_pairs); pair_table_slots: the table's size, a power of two
+    # paper's method) do not (Speculator.uses_pairs); pair_table_slots: the table's size, a power of two
     pair_table: bool | None = None
     pair_table_slots: int = DEFAULT_SLOTS
     # the cross-request suffix index (tr/suffix_index.py): other requests' prompts and outputs draft
-    # a branch the budget prices beside the context's. None = ``auto`` uses it (Engine.uses_suffix),
+    # a branch the budget prices beside the context's. None = ``auto`` uses it (Speculator.uses_suffix),
     # ``true``/``false`` force it (``auto`` only: the other trees have no budget to price it);
     # suffix_index_tokens: the tokens it holds over all namespaces, the oldest requests' evicted past it
     suffix_index: bool | None = None

@@ -19,7 +19,7 @@ from tr_serve.runner.hf_compat import cache_kwargs
 from tr_serve.runner.kv_cache import SlotKVCache
 from tr_serve.runner.llama_body import body_for, supports_layer_ops
 from tr_serve.runner.next_tokens import next_token_ids, on_host, top_ids, unpack
-from tr_serve.runner.step_io import NextTokens, PrefillOutput, StepSampling
+from tr_serve.runner.step_io import NextTokens, PrefillOutput, StepRunner, StepSampling
 from tr_serve.runner.step_attention import StepAttention, default_backend
 
 
@@ -92,7 +92,7 @@ def _bf16_head(model: torch.nn.Module) -> torch.Tensor | bool:
     return weight.detach().to(torch.bfloat16)
 
 
-class ModelRunner:
+class ModelRunner(StepRunner):
     """Owns the model and its KV cache of ``num_rows`` sequences of at most ``max_len`` tokens.
 
     The engine's calls (:class:`~tr_serve.runner.step_io.StepRunner`) are :meth:`prefill_step`

@@ -7,8 +7,9 @@ are 93 KB (``[nodes, 1 + K]`` int32). They are computed where the logits are (th
 rank 0 under tensor parallelism) and reach the host in one copy per step, which is then the
 step's only device-to-host synchronisation (runner/sync_audit.py counts them).
 
-``ModelRunner`` (in process) and ``TPModelRunner`` (tensor-parallel workers) both implement
-:class:`StepRunner`; the engine cannot tell them apart.
+``ModelRunner`` (in process, built by runner/factory.py) and ``TPModelRunner`` (tensor-parallel
+workers) both subclass :class:`StepRunner`; the engine and the latency calibration cannot tell
+them apart.
 """
 
 from __future__ import annotations
@@ -82,7 +83,8 @@ class PrefillOutput:
 
 
 class StepRunner(Protocol):
-    """What the engine uses of a model runner (tensor arguments are host tensors).
+    """What the engine and the latency calibration use of a model runner (tensor arguments are
+    host tensors).
 
     rows     [b] int64 KV-cache rows of the step's requests
     tokens   [b, q] int64 each row's root (column 0) and draft nodes, EMPTY (-1) as padding
@@ -91,10 +93,12 @@ class StepRunner(Protocol):
     lengths  [b] int64 real inputs per row (padding after them), or None when no row is padded
     """
 
-    device: torch.device
+    device: torch.device  # where the step's ids are computed (the calibration's key)
+    dtype: torch.dtype  # the model's
     vocab_size: int
-    num_rows: int
+    num_rows: int  # KV-cache rows, each of ``max_len`` tokens
     max_len: int
+    kernel_plan: object  # the linear kernels the forwards use, or None (the calibration's key)
 
     def length(self, row: int) -> int:
         ...

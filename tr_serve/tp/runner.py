@@ -52,7 +52,7 @@ from dataclasses import dataclass
 import torch
 
 from tr_serve.engine.config import EngineConfig
-from tr_serve.runner.step_io import NextTokens, PrefillOutput, StepSampling
+from tr_serve.runner.step_io import NextTokens, PrefillOutput, StepRunner, StepSampling
 from tr_serve.tp.placement import (DEFAULT_INIT_TIMEOUT_S, DEFAULT_STEP_TIMEOUT_S, GPUPlacement, gpu_placements,
                                    own_group_bundle, worker_resources)
 
@@ -99,7 +99,7 @@ class TransferStats:
     seconds: float = 0.0  # wall time of the forwards, round trip included
 
 
-class TPModelRunner:
+class TPModelRunner(StepRunner):
     def __init__(self, model, config: EngineConfig, tensor_parallel_size: int, *, cpu_threads: int | None = None,
                  worker_cpus: float | None = None, step_timeout_s: float = DEFAULT_STEP_TIMEOUT_S,
                  ping_timeout_s: float = 10.0, init_timeout_s: float = DEFAULT_INIT_TIMEOUT_S,
@@ -216,9 +216,9 @@ class TPModelRunner:
 
         return LoadedModel(None, self.tokenizer, self.model_id, self.eos_token_ids)
 
-    def allocate(self, max_len: int) -> tuple["TPModelRunner", int]:
-        """``Engine``'s runner factory: every rank builds its ``ModelRunner`` (KV-cache shard of
-        rows of ``max_len`` tokens, kernel plan); returns (this runner, the number of rows)."""
+    def allocate(self, max_len: int) -> "TPModelRunner":
+        """``Engine``'s runner factory: every rank builds its ``ModelRunner`` (runner/factory.py:
+        KV-cache shard of rows of ``max_len`` tokens, kernel plan); returns this runner."""
         self._raise_if_dead()
         c = self.config
         replies = self._gather([w.allocate.remote(max_len, c.max_num_seqs, c.kv_cache_memory_gb, c.cpu_kernels,
@@ -232,7 +232,7 @@ class TPModelRunner:
         # the budget's latency table is keyed by where the forwards run: the workers' device, x world size
         self.device_name = f"{replies[0]['device_name']} x tp{self.world_size}"
         self._lens = torch.zeros(self.num_rows, dtype=torch.long)
-        return self, self.num_rows
+        return self
 
     # ---- the runner contract ---------------------------------------------------------------------
     def length(self, row: int) -> int:

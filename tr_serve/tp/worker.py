@@ -20,7 +20,6 @@ it directly.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import socket
@@ -170,29 +169,19 @@ class TPWorker:
 
     def allocate(self, max_len: int, max_rows: int, kv_cache_memory_gb: float | None, cpu_kernels: str,
                  sync_audit: bool = False) -> dict:
-        """This rank's ``ModelRunner``: its KV-cache shard of ``num_rows`` rows of ``max_len``
-        tokens. The rows follow the engine's rule (``max_num_seqs``, fewer if the KV memory budget
-        says so) for this rank's kv heads: the budget is per device, like the cache shard.
+        """This rank's ``ModelRunner`` (runner/factory.py, as the engine builds its own): its
+        KV-cache shard of ``num_rows`` rows of ``max_len`` tokens, for this rank's kv heads.
         ``sync_audit``: run on the sync audit's stand-in accelerator and count, per :meth:`run`,
         what would wait for the device (runner/sync_audit.py; tests)."""
-        from tr_serve.runner.cpu_kernels import select_plan
-        from tr_serve.runner.model_runner import ModelRunner, rows_within_budget
-
-        model = self.loaded.model
-        dtype = next(model.parameters()).dtype
-        num_rows = rows_within_budget(model.config, max_len, dtype, max_rows, kv_cache_memory_gb)
-        plan = select_plan(model) if cpu_kernels == "auto" else None  # None unless fp32 on CPU
-        device = None
-        if sync_audit:
-            from tr_serve.runner.sync_audit import AUDIT_DEVICE, SyncAudit
-
-            self.audit, device = SyncAudit(), AUDIT_DEVICE
-        with self.audit if self.audit is not None else contextlib.nullcontext():  # the cache on the audited device
-            self.runner = ModelRunner(model, num_rows, max_len, kernel_plan=plan, device=device,
-                                      tree_attention_enabled=cpu_kernels == "auto", emits=self.rank == 0)
         from tr_serve.runner.calibration import device_name
+        from tr_serve.runner.factory import local_runner
+        from tr_serve.runner.sync_audit import SyncAudit
 
-        return {"num_rows": num_rows, "kernel_plan": repr(plan), "device_name": device_name(self.runner.device)}
+        self.audit = SyncAudit() if sync_audit else None
+        self.runner = local_runner(self.loaded.model, max_len, max_rows, kv_cache_memory_gb, cpu_kernels,
+                                   emits=self.rank == 0, audit=self.audit)
+        return {"num_rows": self.runner.num_rows, "kernel_plan": repr(self.runner.kernel_plan),
+                "device_name": device_name(self.runner.device)}
 
     # ---- serving ------------------------------------------------------------------------------
     def run(self, ops: list[tuple]) -> Any:

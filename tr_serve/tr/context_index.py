@@ -10,7 +10,7 @@ is a dozen lines with nothing to get wrong (no clones, no suffix links), gives t
 occurrence directly (SAM gives the first end position and needs a side map for recency, which
 matters for outputs that repeat with variations), and matches longer than ``max_ngram`` add little
 confidence over a match of ``max_ngram`` (measured by the acceptance-by-match-length statistics in
-tr/budget.py). Cost: ``max_ngram`` dict writes per appended token and at most ``max_ngram`` lookups
+tr/acceptance_stats.py). Cost: ``max_ngram`` dict writes per appended token and at most ``max_ngram`` lookups
 per step: O(1) each, no rescans of the context.
 """
 

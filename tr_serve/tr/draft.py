@@ -35,9 +35,9 @@ class DraftBatch:
                     tokens past the budget's cap learning
     match_lengths   per row, the n-gram match length that retrieved the branch (0: none)
     chain_agreement per row, for each branch token drafted and ``chain_next``: whether the matrix's
-                    first candidate of the token before it is that token (tr/budget.py ContextStats)
+                    first candidate of the token before it is that token (tr/acceptance_stats.py ContextStats)
     branch_cells    per row whose branch came from the cross-request suffix index, the
-                    tr/budget.py SuffixStats cell of each branch token drafted and ``chain_next``;
+                    tr/acceptance_stats.py SuffixStats cell of each branch token drafted and ``chain_next``;
                     () for any other row (its branch is priced by ContextStats)
     max_depth       the deepest node of any row
     lengths         [b] real inputs per row (root included; padding follows them), None when no
@@ -64,10 +64,6 @@ class DraftBatch:
     def num_nodes(self) -> int:
         """Drafted nodes per row, padding included (the widest row verifies 1 + this)."""
         return self.tokens.shape[1] - 1
-
-    @property
-    def num_template_nodes(self) -> int:
-        return int(self.template_nodes.numel())
 
     @property
     def num_inputs(self) -> int:

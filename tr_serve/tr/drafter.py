@@ -27,12 +27,14 @@ from typing import Callable, Sequence
 
 import torch
 
-from tr_serve.tr.budget import AcceptanceStats, StepLatency, SuffixStats, TreeBudget, observe_template
+from tr_serve.tr.acceptance_stats import AcceptanceStats, SuffixStats, observe_template
+from tr_serve.tr.budget import TreeBudget
 from tr_serve.tr.context_index import ContextIndex
 from tr_serve.tr.draft import DraftBatch, build_draft
 from tr_serve.tr.matrix import EMPTY, AdjacencyMatrix
 from tr_serve.tr.pair_table import PairTable
 from tr_serve.tr.proposer import propose
+from tr_serve.tr.step_latency import StepLatency
 from tr_serve.tr.suffix_index import SuffixDraft, SuffixIndex
 from tr_serve.tr.tree import CompiledTree, compile_tree
 from tr_serve.tr.tree_spec import TreeSpec
@@ -110,10 +112,6 @@ class Drafter:
         # measure a fixed tree (scripts/measure_tree_order.py)
         self.acceptance: AcceptanceStats | None = self.budget.acceptance if self.budget else None
         self._subtrees: dict[tuple[int, int], tuple[CompiledTree, torch.Tensor]] = {}
-
-    @property
-    def latency(self) -> StepLatency | None:
-        return self.budget.latency if self.budget is not None else None
 
     @property
     def order(self) -> list[int]:
@@ -244,7 +242,7 @@ class Drafter:
     def _agreements(self, roots: list[int], chains: list[list[int]]) -> list[list[bool]]:
         """Per row, per branch token: whether the matrix's first candidate of the token before it
         (the root, then the branch's own tokens) is that token, the evidence the budget prices
-        branch tokens by beside their match length (tr/budget.py ContextStats). One gather."""
+        branch tokens by beside their match length (tr/acceptance_stats.py ContextStats). One gather."""
         before = [t for root, chain in zip(roots, chains) if chain for t in (root, *chain[:-1])]
         first = iter(self.matrix.first_candidates(before))
         return [[next(first) == tok for tok in chain] for chain in chains]
@@ -252,23 +250,19 @@ class Drafter:
     def _successors(self, walks: list[list[int]]) -> Callable[[int, int], Sequence[int]]:
         """``successors(before, token)``: the candidates the proposer drafts after ``token`` (whose
         previous token is ``before``), for the consecutive pairs of ``walks`` (each: the token before
-        a root, the root, then the branch tokens it can walk through), read in one gather (one
-        device sync at most)."""
+        a root, the root, then the branch tokens it can walk through), read in one gather."""
         pairs = sorted({(w[i - 1], w[i]) for w in walks for i in range(1, len(w))})
         if not pairs:
             return lambda before, token: {}[(before, token)]
         prev = torch.tensor([p[0] for p in pairs], dtype=torch.long)
         tok = torch.tensor([p[1] for p in pairs], dtype=torch.long)
-        ranks = torch.arange(self.matrix.k)[None, :]
         table = self.matrix.table
         if self.pairs is None:
-            rows = table[tok.to(table.device)].tolist()
-        elif table.device.type == "cpu":
-            rows = self.pairs.successors_host(table.numpy(), prev.numpy()[:, None], tok.numpy()[:, None],
-                                              ranks.numpy()).tolist()
+            rows = table[tok].tolist()
         else:
-            rows = self.pairs.successors(table, prev[:, None].to(table.device), tok[:, None].to(table.device),
-                                         ranks.to(table.device)).tolist()
+            ranks = torch.arange(self.matrix.k)[None, :]
+            rows = self.pairs.successors(table.numpy(), prev.numpy()[:, None], tok.numpy()[:, None],
+                                         ranks.numpy()).tolist()
         found = dict(zip(pairs, rows))
         return lambda before, token: found[(before, token)]
 

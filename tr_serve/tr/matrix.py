@@ -29,15 +29,6 @@ def write_rows_on_host(table: np.ndarray, streak: np.ndarray, dirty: np.ndarray,
     dirty[ids] = True
 
 
-def write_rows_on_device(table: torch.Tensor, streak: torch.Tensor, dirty: torch.Tensor, ids: torch.Tensor,
-                         rows: torch.Tensor) -> None:
-    """:func:`write_rows_on_host` as tensor ops on the table's device."""
-    kept = table[ids, 0] == rows[:, 0]
-    streak[ids] = torch.where(kept, (streak[ids] + 1).clamp_(max=STREAK_CAP), 0)
-    table[ids] = rows
-    dirty[ids] = True
-
-
 class PairRows(Protocol):
     """Where :meth:`AdjacencyMatrix.recycle` also writes rows keyed by (token before, token): the
     pair table (tr/pair_table.py, which imports this module)."""
@@ -70,16 +61,19 @@ class AdjacencyMatrix:
     one case where a single matrix node is worth a query token on a busy step. Measured offline
     on 30 dev questions x 128 tokens with a hot matrix, the first candidate after the root was the
     model's choice 0.26 of the time at streak 0 (72% of the roots), 0.55 at 1, 0.75-0.79 at 2-3 and
-    0.95 at 4 or more (16% of the roots at 2 or more)."""
+    0.95 at 4 or more (16% of the roots at 2 or more).
 
-    def __init__(self, vocab_size: int, k: int = 8, device: torch.device | str = "cpu"):
+    The table lives in host memory whatever the model's device: drafting reads it through numpy
+    views, and the step's one copy from the device brings the top-k ids it recycles."""
+
+    def __init__(self, vocab_size: int, k: int = 8):
         if k < 1:
             raise ValueError(f"k must be >= 1, got {k}")
         self.vocab_size = vocab_size
         self.k = k
-        self.table = torch.full((vocab_size, k), EMPTY, dtype=torch.int32, device=device)
-        self._dirty = torch.zeros(vocab_size, dtype=torch.bool, device=device)
-        self.streak = torch.zeros(vocab_size, dtype=torch.int8, device=device)
+        self.table = torch.full((vocab_size, k), EMPTY, dtype=torch.int32)
+        self._dirty = torch.zeros(vocab_size, dtype=torch.bool)
+        self.streak = torch.zeros(vocab_size, dtype=torch.int8)
 
     def recycle(self, tokens: torch.Tensor, top: torch.Tensor, preferred: torch.Tensor | None = None,
                 pairs: PairRows | None = None, before: torch.Tensor | None = None) -> None:
@@ -166,55 +160,24 @@ class AdjacencyMatrix:
         self.streak.zero_()
 
     def first_candidates(self, tokens: list[int]) -> list[int]:
-        """Each token's first candidate (EMPTY where its row holds nothing): on the host through a
-        view for a CPU matrix, one gather and one copy back on a device."""
+        """Each token's first candidate (EMPTY where its row holds nothing)."""
         if not tokens:
             return []
-        if self.table.device.type == "cpu":
-            return self.table[:, 0].numpy()[tokens].tolist()
-        return self.table[torch.tensor(tokens, dtype=torch.long, device=self.table.device), 0].tolist()
+        return self.table[:, 0].numpy()[tokens].tolist()
 
     def confident_chains(self, roots: list[int], caps: list[int], min_streak: int) -> list[list[int]]:
         """Per root, the chain of first candidates from it (root -> its first candidate -> that
         token's first candidate ...) while each token it leaves has a :attr:`streak` of at least
         ``min_streak``, at most ``caps[i]`` tokens: a context-free branch for a row whose context
-        has no match. On the host for a CPU matrix (views, no copy); on a device, one gather per
-        level for every root and one copy back."""
-        if self.table.device.type == "cpu":
-            return chains_on_host(self.table[:, 0].numpy(), self.streak.numpy(), roots, caps, min_streak)
-        return chains_on_device(self.table, self.streak, roots, caps, min_streak)
-
-
-def chains_on_host(first, streak, roots: list[int], caps: list[int], min_streak: int) -> list[list[int]]:
-    """:meth:`AdjacencyMatrix.confident_chains` over numpy views: first [vocab], streak [vocab]."""
-    chains = []
-    for token, cap in zip(roots, caps):
-        chain: list[int] = []
-        while len(chain) < cap and token >= 0 and streak[token] >= min_streak:
-            token = int(first[token])
-            if token < 0:
-                break
-            chain.append(token)
-        chains.append(chain)
-    return chains
-
-
-def chains_on_device(table: torch.Tensor, streak: torch.Tensor, roots: list[int], caps: list[int],
-                     min_streak: int) -> list[list[int]]:
-    """:meth:`AdjacencyMatrix.confident_chains` as tensor ops on the table's device."""
-    tokens = torch.tensor(roots, dtype=torch.long, device=table.device)
-    levels = []
-    for _ in range(max(caps, default=0)):
-        safe = tokens.clamp(min=0)
-        tokens = torch.where((tokens >= 0) & (streak[safe] >= min_streak), table[safe, 0].long(), EMPTY)
-        levels.append(tokens)
-    grid = torch.stack(levels, 1).tolist() if levels else [[] for _ in roots]
-    chains = []
-    for row, cap in zip(grid, caps):
-        chain = []
-        for token in row[:cap]:
-            if token < 0:
-                break
-            chain.append(token)
-        chains.append(chain)
-    return chains
+        has no match. Read through numpy views, no copy."""
+        first, streak = self.table[:, 0].numpy(), self.streak.numpy()
+        chains = []
+        for token, cap in zip(roots, caps):
+            chain: list[int] = []
+            while len(chain) < cap and token >= 0 and streak[token] >= min_streak:
+                token = int(first[token])
+                if token < 0:
+                    break
+                chain.append(token)
+            chains.append(chain)
+        return chains

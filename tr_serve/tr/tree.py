@@ -30,7 +30,7 @@ _RECON_CHILDREN: dict[Path_, int] = {
 }
 
 # Prior probability that the rank-r candidate is the model's choice: the starting point of the
-# online acceptance estimates (tr/budget.py), and the order of a template with no measured order.
+# online acceptance estimates (tr/acceptance_stats.py), and the order of a template with no measured order.
 _RANK_PRIOR = (0.55, 0.15, 0.08, 0.05, 0.04, 0.03, 0.02, 0.02)
 
 

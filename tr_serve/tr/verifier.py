@@ -7,8 +7,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from tr_serve.tr.draft import DraftBatch, build_draft
-from tr_serve.tr.tree import CompiledTree
+from tr_serve.tr.draft import DraftBatch
 
 
 @dataclass(frozen=True)
@@ -30,31 +29,6 @@ class Acceptance:
         return [len(e) - 1 for e in self.emitted]
 
 
-def longest_accepted_path(draft: torch.Tensor, choice: torch.Tensor, tree: CompiledTree) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per row, the leaf path with the most leading correct nodes.
-
-    draft:  [b, n+1] drafted tokens (column 0 = root)
-    choice: [b, n+1] the model's token after each node (argmax, or a sample)
-    returns (best_path [b] index into tree.paths, length [b] accepted nodes on it)
-    """
-    b = draft.shape[0]
-    if tree.num_nodes == 0:
-        zeros = torch.zeros(b, dtype=torch.long, device=draft.device)
-        return zeros, zeros
-    parents = tree.parents.to(draft.device)
-    correct = draft == choice[:, parents.clamp(min=0)]  # [b, n+1]; draft EMPTY never matches
-    paths = tree.paths.to(draft.device)  # [L, D]
-    on_path = correct[:, paths.clamp(min=0)] & (paths >= 0)  # [b, L, D]
-    lengths = on_path.to(torch.int8).cumprod(dim=-1).sum(dim=-1)  # [b, L]
-    length, best = lengths.max(dim=-1)
-    return best, length
-
-
-def accept_greedy(draft: torch.Tensor, logits: torch.Tensor, tree: CompiledTree) -> Acceptance:
-    """Greedy verification of one tree for every row. logits: [b, n+1, V] at every tree input."""
-    return accept_choices(draft, logits.argmax(dim=-1), tree)
-
-
 def choices_grid(batch: DraftBatch, choices: torch.Tensor) -> np.ndarray:
     """[b, q] int64 on the host: the runner's ``choices`` (one per real node, packed in row order,
     runner/step_io.py) laid out as the batch's nodes; padding gets token 0, never read (a padded
@@ -69,10 +43,6 @@ def choices_grid(batch: DraftBatch, choices: torch.Tensor) -> np.ndarray:
     grid = np.zeros((b, q), dtype=np.int64)
     grid[real.numpy()] = values
     return grid
-
-
-def accept_choices(draft: torch.Tensor, choice: torch.Tensor, tree: CompiledTree) -> Acceptance:
-    return accept_draft(build_draft(draft.cpu(), tree, torch.arange(1, tree.num_nodes + 1)), choice)
 
 
 def accepted_mask(batch: DraftBatch, choice: np.ndarray) -> np.ndarray:
