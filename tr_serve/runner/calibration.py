@@ -138,8 +138,57 @@ def _row_offsets(runner: StepRunner, table: LatencyTable, context: int, repeats:
     return tuple(out)
 
 
+QUICK_POINTS = (1, 4, 16, 64, 256)  # a provisional table's counts (those up to the step's largest)
+QUICK_SECONDS = 10.0  # a provisional table stops adding counts after this long (at least two)
+
+
+def provisional(runner: StepRunner, max_tokens: int, recycle_k: int = 0, context: int = 32) -> LatencyTable:
+    """A latency table from one verify step per count of :data:`QUICK_POINTS` over a short
+    context, for a replica starting without a cached table (runner/startup_work.py): seconds where
+    :func:`measure` takes minutes on a 1B model; the budget's online correction adjusts it while
+    serving. Not cached: ``tr-serve prepare`` measures the full table ahead of time."""
+    row = torch.tensor([0])
+    context = max(1, min(context, runner.max_len - max_tokens - 1))
+    points = [q for q in QUICK_POINTS if q <= max_tokens and context + q <= runner.max_len] or [1]
+    high = min(1000, runner.vocab_size)
+    greedy = StepSampling((None,), recycle_k)
+    sync = torch.cuda.synchronize if runner.device.type == "cuda" else (lambda: None)
+    runner.free(0)
+    runner.prefill_step(row, [[10 + i % (high - 10) for i in range(context)]], greedy)
+
+    def step(q: int) -> float:
+        inputs = (torch.randint(10, high, (1, q)), torch.arange(q), torch.ones(q, q, dtype=torch.bool).tril(), None,
+                  greedy)
+        sync()
+        t0 = time.perf_counter()
+        runner.verify_step(row, *inputs)
+        sync()
+        return time.perf_counter() - t0
+
+    step(points[0])  # warm-up
+    start = time.perf_counter()
+    seconds: list[float] = []
+    for q in points:
+        if len(seconds) >= 2 and time.perf_counter() - start > QUICK_SECONDS:
+            break
+        seconds.append(step(q))
+    runner.free(0)
+    for i in range(len(seconds) - 2, -1, -1):  # more tokens never cost less
+        seconds[i] = min(seconds[i], seconds[i + 1])
+    logger.info("provisional latency table (not cached; `tr-serve prepare` measures the full one): %s",
+                dict(zip(points, (round(t, 4) for t in seconds))))
+    return LatencyTable(tuple(points[:len(seconds)]), tuple(seconds))
+
+
 def load_or_measure(runner: StepRunner, model_id: str, max_tokens: int, recycle_k: int = 0) -> LatencyTable:
+    """The cached table, else measured and cached; inside a deferring start-up
+    (runner/startup_work.py) a missing table is a :func:`provisional` one instead."""
+    from tr_serve.runner import startup_work
+
     path = cache_root() / "calibration" / f"{calibration_key(model_id, runner, recycle_k)}.json"
+    if startup_work.current() is not None:
+        cached = load_json(path, lambda data: parse_table(data, max_tokens), "calibration")
+        return cached if cached is not None else provisional(runner, max_tokens, recycle_k)
 
     def calibrate() -> LatencyTable:
         where = getattr(runner, "device_name", None) or device_name(runner.device)

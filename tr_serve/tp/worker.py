@@ -68,6 +68,9 @@ class TPWorker:
         self.runner = None
         self.audit = None  # a SyncAudit when allocate(sync_audit=True)
         self.sync_counts: list[int] = []  # forced device-to-host syncs per run(), when audited
+        from tr_serve.runner.startup_work import StartupWork
+
+        self.startup = StartupWork()  # this rank's kernel plan measurement, when allocate(defer=True) left it for later
 
     # ---- start-up -----------------------------------------------------------------------------
     def placement_info(self) -> tuple[str, list[str]]:
@@ -169,19 +172,23 @@ class TPWorker:
         return self.loaded.tokenizer
 
     def allocate(self, max_len: int, max_rows: int, kv_cache_memory_gb: float | None, cpu_kernels: str,
-                 sync_audit: bool = False) -> dict:
+                 sync_audit: bool = False, defer: bool = False) -> dict:
         """This rank's ``ModelRunner``: its KV-cache shard of ``num_rows`` rows of ``max_len``
         tokens. The rows follow the engine's rule (``max_num_seqs``, fewer if the KV memory budget
         says so) for this rank's kv heads: the budget is per device, like the cache shard.
         ``sync_audit``: run on the sync audit's stand-in accelerator and count, per :meth:`run`,
-        what would wait for the device (runner/sync_audit.py; tests)."""
+        what would wait for the device (runner/sync_audit.py; tests). ``defer``: a kernel plan that
+        is not cached is measured after the replica is ready (:meth:`advance_startup`), torch's
+        kernels until then (runner/startup_work.py)."""
         from tr_serve.runner.cpu_kernels import select_plan
         from tr_serve.runner.model_runner import ModelRunner, rows_within_budget
+        from tr_serve.runner.startup_work import deferring
 
         model = self.loaded.model
         dtype = next(model.parameters()).dtype
         num_rows = rows_within_budget(model.config, max_len, dtype, max_rows, kv_cache_memory_gb)
-        plan = select_plan(model) if cpu_kernels == "auto" else None  # None unless fp32 on CPU
+        with deferring(self.startup) if defer else contextlib.nullcontext():
+            plan = select_plan(model) if cpu_kernels == "auto" else None  # None unless fp32 on CPU
         device = None
         if sync_audit:
             from tr_serve.runner.sync_audit import AUDIT_DEVICE, SyncAudit
@@ -192,7 +199,14 @@ class TPWorker:
                                       tree_attention_enabled=cpu_kernels == "auto", emits=self.rank == 0)
         from tr_serve.runner.calibration import device_name
 
-        return {"num_rows": num_rows, "kernel_plan": repr(plan), "device_name": device_name(self.runner.device)}
+        return {"num_rows": num_rows, "kernel_plan": repr(plan), "device_name": device_name(self.runner.device),
+                "startup_pending": self.startup.pending}
+
+    def advance_startup(self, seconds: float) -> dict:
+        """This rank's deferred start-up work for about ``seconds``, between two steps (the driver
+        calls it between its forwards); the plan it installs runs from the next step."""
+        done = self.startup.advance(seconds, self.runner, None)
+        return {"done": done, "kernel_plan": repr(self.runner.kernel_plan)}
 
     # ---- serving ------------------------------------------------------------------------------
     def run(self, ops: list[tuple]) -> Any:
