@@ -217,3 +217,43 @@ def test_startup_wait_s_must_be_a_finite_non_negative_number(wait):
 
     with pytest.raises(ConfigError, match="startup_wait_s"):
         TRServeConfig.from_args({"startup_wait_s": wait})
+
+
+def test_prepare_caches_what_a_starting_replica_then_finds(tokenizer, tmp_path, monkeypatch):
+    """``tr-serve prepare CONFIG`` builds the replica's engine with nothing deferred; a replica of
+    the same config then finds its kernel plan, full latency table and matrix prior cached."""
+    from tests.tiny_model import tiny_loaded
+    from tr_serve import cli
+    from tr_serve.engine.engine import Engine
+    from tr_serve.model_loader import load_model
+    from tr_serve.runner import calibration, cpu_kernels
+    from tr_serve.runner.startup_work import deferring
+    from tr_serve.serve.warm_cache import app_configs
+
+    model_dir = tmp_path / "tiny"
+    tiny_loaded(tokenizer, seed=3).model.save_pretrained(model_dir)
+    tokenizer.save_pretrained(model_dir)
+    config = tmp_path / "serve.yaml"
+    config.write_text(f"""applications:
+  - name: tiny
+    route_prefix: /
+    import_path: tr_serve.serve.builder:build_app
+    args:
+      model: {model_dir}
+      engine_kwargs: {{max_num_seqs: 1, max_model_len: 256}}  # a full table fits in the rows
+""")
+    monkeypatch.setenv("TR_SERVE_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(cpu_kernels, "_cpu_busy", lambda: None)  # a plan measured on a busy machine is not final
+    assert cli.main(["prepare", str(config)]) == 0
+    for folder, pattern in (("kernels", "*.json"), ("calibration", "*.json"), ("matrix_prior", "*.pt")):
+        assert len(list((tmp_path / "cache" / folder).glob(pattern))) == 1, folder
+
+    def fail(*a, **k):
+        raise AssertionError("measured again")
+
+    monkeypatch.setattr(calibration, "provisional", fail)
+    [app] = app_configs(str(config))
+    with deferring() as work:
+        engine = Engine(load_model(str(model_dir)), app.engine_config())
+    assert work.pending == [] and engine.runner.kernel_plan is not None and engine.matrix.num_filled_rows() == 512
+    assert cli.main(["prepare", str(tmp_path / "missing.yaml")]) == 2

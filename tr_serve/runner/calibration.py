@@ -205,7 +205,10 @@ def load_or_measure(runner: StepRunner, model_id: str, max_tokens: int, recycle_
 
 
 def parse_table(data: dict, max_tokens: int) -> LatencyTable | None:
-    """A cached table, or None when it does not reach ``max_tokens`` query tokens."""
+    """A cached table, or None when it does not reach the largest of :data:`POINTS` up to
+    ``max_tokens`` query tokens (what :func:`measure` measures for them: a step of 392 tokens
+    reads a table measured up to 384, not one that has to reach 392)."""
     table = LatencyTable(tuple(data["tokens"]), tuple(data["seconds"]),
                          tuple((int(r), int(w), float(o)) for r, w, o in data.get("row_offsets", ())))
-    return table if table.tokens and table.tokens[-1] >= min(max_tokens, POINTS[-1]) else None
+    needed = max([q for q in POINTS if q <= max_tokens] or [POINTS[0]])
+    return table if table.tokens and table.tokens[-1] >= needed else None
