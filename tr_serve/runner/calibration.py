@@ -138,15 +138,16 @@ def _row_offsets(runner: StepRunner, table: LatencyTable, context: int, repeats:
     return tuple(out)
 
 
-QUICK_POINTS = (1, 4, 16, 64, 256)  # a provisional table's counts (those up to the step's largest)
-QUICK_SECONDS = 10.0  # a provisional table stops adding counts after this long (at least two)
+QUICK_POINTS = (1, 8, 64)  # a provisional table's counts (those up to the step's largest)
+QUICK_SECONDS = 3.0  # a provisional table stops adding counts after this long (at least two)
 
 
-def provisional(runner: StepRunner, max_tokens: int, recycle_k: int = 0, context: int = 32) -> LatencyTable:
-    """A latency table from one verify step per count of :data:`QUICK_POINTS` over a short
-    context, for a replica starting without a cached table (runner/startup_work.py): seconds where
-    :func:`measure` takes minutes on a 1B model; the budget's online correction adjusts it while
-    serving. Not cached: ``tr-serve prepare`` measures the full table ahead of time."""
+def provisional(runner: StepRunner, max_tokens: int, recycle_k: int = 0, context: int = 1) -> LatencyTable:
+    """A latency table from one verify step per count of :data:`QUICK_POINTS` over a one-token
+    context, for a replica starting without a cached table (runner/startup_work.py): about 5 s on a
+    1B model on 2 busy cores, where :func:`measure` takes minutes; the budget's online correction
+    adjusts it while serving. The context's prefill is the warm-up. Not cached: ``tr-serve
+    prepare`` measures the full table ahead of time."""
     row = torch.tensor([0])
     context = max(1, min(context, runner.max_len - max_tokens - 1))
     points = [q for q in QUICK_POINTS if q <= max_tokens and context + q <= runner.max_len] or [1]
@@ -165,7 +166,6 @@ def provisional(runner: StepRunner, max_tokens: int, recycle_k: int = 0, context
         sync()
         return time.perf_counter() - t0
 
-    step(points[0])  # warm-up
     start = time.perf_counter()
     seconds: list[float] = []
     for q in points:
