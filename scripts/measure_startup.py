@@ -1,7 +1,10 @@
 """Start-up of a served model through ``serve run``: time to ready, first completion, peak memory.
 
     python scripts/measure_startup.py --tp 1 2                  # a ~2.1 GB random Llama in 4 files, tp=1 then tp=2
-    python scripts/measure_startup.py --model smollm2-135m-instruct --tp 1 --keep-cache
+    python scripts/measure_startup.py --config configs/smollm2-cpu.yaml --launcher tr-serve --keep-cache  # `make run`
+
+``--config`` serves that Serve config instead (on a free port; ``--tp`` is then ignored), and
+``--launcher tr-serve`` starts it as ``make run`` does (``tr-serve run``) rather than ``serve run``.
 
 1. Writes a random-weight Llama checkpoint (bfloat16, 16 layers of hidden 2048, vocabulary 49152
    with the embedded model's tokenizer: 2.15 GB in 4 safetensors files) under ``--dir``, unless
@@ -156,20 +159,27 @@ def complete(base: str, timeout: float) -> dict:
 
 
 def run_one(model: str, tp: int, args, cache: Path) -> dict:
+    import yaml
+
     port = free_port()
     base = f"http://127.0.0.1:{port}"
     workdir = Path(tempfile.mkdtemp(prefix=f"tr_startup_tp{tp}_"))
     config = workdir / "serve.yaml"
-    import yaml
-
-    config.write_text(yaml.safe_dump(serve_config(model, tp, port)))
+    if args.config:
+        data = yaml.safe_load(Path(args.config).read_text())
+        data.setdefault("http_options", {}).update(host="127.0.0.1", port=port)
+        for app in data["applications"]:  # the requests name the first app's model
+            app.setdefault("args", {})["model_id"] = "m"
+    else:
+        data = serve_config(model, tp, port)
+    config.write_text(yaml.safe_dump(data))
     env = dict(os.environ, RAY_AUTH_MODE="disabled", RAY_USAGE_STATS_ENABLED="0", TR_SERVE_CACHE=str(cache),
                PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     env.pop("RAY_ADDRESS", None)
-    serve = Path(sys.executable).with_name("serve")
+    launcher = Path(sys.executable).with_name("serve" if args.launcher == "serve" else "tr-serve")
     log = open(workdir / "serve.log", "w")
     t0 = time.monotonic()
-    proc = subprocess.Popen([str(serve), "run", str(config)], stdout=log, stderr=subprocess.STDOUT, env=env,
+    proc = subprocess.Popen([str(launcher), "run", str(config)], stdout=log, stderr=subprocess.STDOUT, env=env,
                             start_new_session=True, cwd=workdir)
     sampler = Sampler(proc.pid)
     sampler.start()
@@ -185,11 +195,15 @@ def run_one(model: str, tp: int, args, cache: Path) -> dict:
                 out["ready_s"] = None
                 break
             health = get(base + "/health")
-            if health is not None and "before_ready" not in early:  # the HTTP proxy answers: a request now
+            ingress_up = health is not None and health.headers.get("content-type", "").startswith("application/json")
+            if health is not None and not ingress_up and "proxy_only" not in out:  # Serve's proxy, no app yet
+                out["proxy_only"] = {"t_s": round(elapsed, 1), "status": health.status_code,
+                                     "body": health.text[:120]}
+            if ingress_up and "sent_at_s" not in early:  # the ingress answers: a request now
                 early["sent_at_s"] = round(elapsed, 1)
+                early["health_then"] = health.status_code
                 thread = threading.Thread(target=lambda: early.update(complete(base, args.timeout)), daemon=True)
                 thread.start()
-                early["before_ready"] = True
             if health is not None:
                 models = get(base + "/v1/models")
                 listed = bool(models is not None and models.status_code == 200 and models.json().get("data"))
@@ -239,6 +253,9 @@ def main(argv=None) -> int:
     ap.add_argument("--model", help="serve this model instead of writing a random checkpoint")
     ap.add_argument("--dir", default="/tmp/tr_startup_llama", help="where the random checkpoint is (written if absent)")
     ap.add_argument("--tp", type=int, nargs="+", default=[1, 2])
+    ap.add_argument("--config", help="serve this Serve config (its first app's model) instead")
+    ap.add_argument("--launcher", choices=("serve", "tr-serve"), default="serve",
+                    help="`serve run` (default) or `tr-serve run` (what `make run` runs)")
     ap.add_argument("--timeout", type=float, default=600, help="seconds a run may take to become ready")
     ap.add_argument("--after-ready", type=float, default=300,
                     help="seconds to keep sampling while the deferred start-up work runs")
@@ -247,7 +264,10 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     model = args.model
     report: dict = {"runs": []}
-    if model is None:
+    if args.config:
+        args.tp = [1]
+        model = args.config
+    elif model is None:
         folder = Path(args.dir)
         if not (folder / "model.safetensors.index.json").exists():
             t0 = time.monotonic()
