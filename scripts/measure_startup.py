@@ -142,6 +142,14 @@ def get(url: str, timeout: float = 5.0):
         return None
 
 
+def models_listed(base: str) -> bool:
+    r = get(base + "/v1/models")
+    try:
+        return bool(r is not None and r.status_code == 200 and r.json().get("data"))
+    except ValueError:  # Serve's proxy before the ingress: plain text
+        return False
+
+
 def complete(base: str, timeout: float) -> dict:
     import httpx
 
@@ -205,11 +213,14 @@ def run_one(model: str, tp: int, args, cache: Path) -> dict:
                 thread = threading.Thread(target=lambda: early.update(complete(base, args.timeout)), daemon=True)
                 thread.start()
             if health is not None:
-                models = get(base + "/v1/models")
-                listed = bool(models is not None and models.status_code == 200 and models.json().get("data"))
+                listed = models_listed(base)
                 polls += 1
-                if listed != (health.status_code == 200):
-                    disagreements.append({"t_s": round(elapsed, 1), "health": health.status_code, "listed": listed})
+                if listed != (health.status_code == 200):  # or the replica became ready between the two
+                    again = get(base + "/health")
+                    if again is None or models_listed(base) != (again.status_code == 200):
+                        disagreements.append({"t_s": round(elapsed, 1), "health": health.status_code,
+                                              "listed": listed})
+                    continue
                 if health.status_code == 200:
                     out["ready_s"] = round(elapsed, 1)
                     out["peak_at_ready"] = sampler.top()

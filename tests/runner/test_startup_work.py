@@ -75,23 +75,25 @@ def test_a_deferred_engine_is_ready_at_once_then_measures_and_seeds_between_step
         m.setattr(calibration, "measure", _fail("the full latency calibration"))
         with deferring() as work:
             engine = Engine(loaded, config)
-    assert work.pending == ["kernel plan", "matrix prior"]
+    full_table = ["latency table"] if tree == "auto" else []  # the cost-aware budget's, measured while idle
+    assert work.pending == ["kernel plan", *full_table, "matrix prior"]
     assert engine.runner.kernel_plan is None  # torch's kernels until the plan is measured
     assert engine.matrix.num_filled_rows() == 0
     assert not list((fresh_cache / "kernels").glob("*.json")) and not (fresh_cache / "matrix_prior").exists()
 
     # a first request before any start-up work, then the work interleaved with requests
     assert _generate(engine, PROMPT, 24) == want
-    prior_job = work.jobs[1]
+    prior_job = work.jobs[-1]
     slices = []
 
     def one_slice():  # what the server's task does between two steps
-        slices.append(work.advance(0.02, engine.runner, engine.matrix))
+        slices.append(work.advance(0.02, engine.runner, engine.matrix, not engine.has_unfinished()))
 
     reference = _generate(_plain(tokenizer), PROMPT[::-1], 16)
     while work.pending:
         assert _generate(engine, PROMPT[::-1], 16, between=one_slice) == reference
-    assert len(slices) > 2 and work.failed == [] and work.done == ["kernel plan", "matrix prior"]
+        one_slice()  # idle: the full latency table's turn
+    assert len(slices) > 2 and work.failed == [] and sorted(work.done) == sorted(["kernel plan", *full_table, "matrix prior"])
     plan = engine.runner.kernel_plan
     assert plan is not None and plan.points == (1, 2, 4, 8)
     assert cpu_kernels.select_plan(loaded.model) is plan  # installed where select_plan finds it
@@ -103,6 +105,8 @@ def test_a_deferred_engine_is_ready_at_once_then_measures_and_seeds_between_step
     assert torch.equal(matrix_prior.load_or_compute(loaded.model, loaded.model_id, 512, config.k, tokenizer.bos_token_id),
                        prior_job.table)
     assert _generate(engine, PROMPT, 24) == want  # with the measured plan and the prior
+    if full_table:  # cached for the next start, keyed by the plan it ran on
+        assert len(list((fresh_cache / "calibration").glob("*.json"))) == 1
 
 
 def test_rows_of_a_deferred_prior_are_the_models_top_k(tokenizer, fresh_cache):
@@ -249,3 +253,53 @@ def test_a_deferred_measurement_counts_only_its_slices(monkeypatch):
     clock.pause()
     frozen = clock.now()
     assert frozen >= t and clock.now() == frozen
+
+
+def test_a_job_that_needs_the_rows_waits_for_an_idle_engine():
+    ran = []
+
+    class Rows:
+        name, idle_only = "rows", True
+
+        def advance(self, seconds, runner, matrix):
+            ran.append("rows")
+            return True
+
+    class Plan:
+        name, order = "plan", 0
+
+        def __init__(self):
+            self.left = 2
+
+        def advance(self, seconds, runner, matrix):
+            ran.append("plan")
+            self.left -= 1
+            return self.left == 0
+
+    work = StartupWork()
+    work.add(Rows())
+    work.add(Plan())
+    assert work.pending == ["rows", "plan"]
+    assert not work.advance(1.0, idle=False) and ran == ["plan", "plan"] and work.pending == ["rows"]
+    assert not work.advance(1.0) and ran == ["plan", "plan"]  # not idle unless the caller says so
+    assert work.advance(1.0, idle=True) and ran[-1] == "rows"
+
+
+def test_the_full_latency_table_is_left_for_later_only_where_it_is_short(tokenizer, fresh_cache, monkeypatch):
+    """A provisional table that prices the full measurement over the limit registers nothing (the
+    1B case: minutes); a cheap one registers the idle calibration."""
+    from tr_serve.runner.calibration import measure_seconds
+    from tr_serve.tr.budget import LatencyTable
+
+    slow = LatencyTable((1, 8), (0.6, 4.0))  # a 1B model's torch kernels on 2 busy cores
+    fast = LatencyTable((1, 8), (0.02, 0.03))
+    assert measure_seconds(slow, 392, 4) > calibration.IDLE_CALIBRATION_SECONDS
+    assert measure_seconds(fast, 392, 4) < calibration.IDLE_CALIBRATION_SECONDS
+    loaded = tiny_loaded(tokenizer, seed=3)
+    for table, want in ((slow, []), (fast, ["latency table"])):
+        monkeypatch.setattr(calibration, "provisional", lambda *a, table=table, **k: table)
+        with deferring() as work:
+            Engine(tiny_loaded(tokenizer, seed=3), EngineConfig(model="tiny", tree="auto", max_num_seqs=1,
+                                                                max_model_len=128, cpu_kernels="torch",
+                                                                matrix_prior=False))
+        assert work.pending == want

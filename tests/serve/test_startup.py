@@ -173,17 +173,26 @@ def test_the_replica_is_ready_before_its_kernel_plan_and_prior_then_builds_them_
     from tr_serve.serve.protocol import CompletionRequest
     from tr_serve.serve.server import LLMServer
 
-    def fail(what):
-        def f(*a, **k):
-            raise AssertionError(f"{what} ran before the replica was ready")
-        return f
+    ready = []
+
+    def guard(module, name: str, what: str) -> None:
+        real = getattr(module, name)
+
+        def guarded(*a, **k):
+            if not ready:
+                raise AssertionError(f"{what} ran before the replica was ready")
+            return real(*a, **k)
+
+        monkeypatch.setattr(module, name, guarded)
 
     monkeypatch.setenv("TR_SERVE_CACHE", str(tmp_path))
     monkeypatch.setattr(cpu_kernels, "POINTS", (1, 2, 4))
     monkeypatch.setattr(model_loader, "load_model", lambda *a, **k: tiny_loaded(tokenizer, seed=3))
-    monkeypatch.setattr(cpu_kernels, "measure_plan", fail("the kernel plan's measurement"))
-    monkeypatch.setattr(matrix_prior, "first_token_top_k", fail("the matrix prior"))
-    monkeypatch.setattr(calibration, "measure", fail("the full calibration"))
+    guard(cpu_kernels, "measure_plan", "the kernel plan's measurement")
+    guard(cpu_kernels, "_time_pass", "the kernel plan's measurement")
+    guard(matrix_prior, "first_token_top_k", "the matrix prior")
+    guard(matrix_prior.PriorComputation, "advance", "the matrix prior")
+    guard(calibration, "measure", "the full calibration")
     request = CompletionRequest(model="tiny", prompt=[5, 17, 99, 3, 250], max_tokens=12, temperature=0,
                                 ignore_eos=True)
 
@@ -195,13 +204,15 @@ def test_the_replica_is_ready_before_its_kernel_plan_and_prior_then_builds_them_
     async def run():
         server = LLMServer.__new__(LLMServer)
         await LLMServer.__init__(server, {"model": "tiny", "engine_kwargs": {"max_num_seqs": 2, "max_model_len": 128}})
+        ready.append(True)
         try:
-            assert server.startup.pending == ["kernel plan", "matrix prior"]
+            assert server.startup.pending == ["kernel plan", "latency table", "matrix prior"]
             core = server.engine.engine
             assert core.runner.kernel_plan is None and core.matrix.num_filled_rows() == 0
             first = await complete(server)  # served before the start-up work is done
             await asyncio.wait_for(server._startup_task, 120)
-            assert server.startup.done == ["kernel plan", "matrix prior"] and not server.startup.failed
+            assert sorted(server.startup.done) == ["kernel plan", "latency table", "matrix prior"]
+            assert not server.startup.failed
             assert core.runner.kernel_plan is not None and core.matrix.num_filled_rows() == 512
             assert (await server.engine_stats())["startup_work"]["pending"] == []
             assert await complete(server) == first

@@ -180,23 +180,74 @@ def provisional(runner: StepRunner, max_tokens: int, recycle_k: int = 0, context
     return LatencyTable(tuple(points[:len(seconds)]), tuple(seconds))
 
 
+IDLE_CALIBRATION_SECONDS = 45.0  # after ready, a full table is measured only where it should take about this long
+
+
+def measure_seconds(table: LatencyTable, max_tokens: int, num_rows: int, context: int = 256) -> float:
+    """What :func:`measure` should take, from a (provisional) table: its prefill, every count's
+    warm-up and repeats, the steps of several rows."""
+    total = table(context)
+    for q in (q for q in POINTS if q <= max_tokens):
+        total += (1 + (5 if q <= 128 else 1)) * table(q)
+    for n in (n for n in ROW_COUNTS if n <= num_rows):
+        total += table(n * context) + sum(4 * table(n * w) for w in ROW_WIDTHS)
+    return total
+
+
+class IdleCalibration:
+    """The full latency table measured after the replica is ready (runner/startup_work.py): in one
+    piece while the engine has no request (it holds row 0 throughout), with the kernel plan
+    installed by then, and cached for the next start; the running engine keeps its provisional
+    table, which the budget corrects online."""
+
+    name = "latency table"
+    order = 1  # after the kernel plan, which it is keyed by
+    idle_only = True
+
+    def __init__(self, runner: StepRunner, model_id: str, max_tokens: int, recycle_k: int):
+        self.runner, self.model_id, self.max_tokens, self.recycle_k = runner, model_id, max_tokens, recycle_k
+
+    def advance(self, seconds: float, runner=None, matrix=None) -> bool:
+        path = cache_root() / "calibration" / f"{calibration_key(self.model_id, self.runner, self.recycle_k)}.json"
+        if load_json(path, lambda data: parse_table(data, self.max_tokens), "calibration") is None:
+            _save_table(path, measure(self.runner, self.max_tokens, recycle_k=self.recycle_k), self.runner,
+                        self.model_id)
+        return True
+
+
+def _save_table(path, table: LatencyTable, runner: StepRunner, model_id: str) -> None:
+    save_json(path, {"tokens": table.tokens, "seconds": table.seconds,
+                     "row_offsets": [list(o) for o in table.row_offsets],
+                     "device": getattr(runner, "device_name", None) or device_name(runner.device), "model": model_id},
+              "calibration")
+
+
 def load_or_measure(runner: StepRunner, model_id: str, max_tokens: int, recycle_k: int = 0) -> LatencyTable:
     """The cached table, else measured and cached; inside a deferring start-up
-    (runner/startup_work.py) a missing table is a :func:`provisional` one instead."""
+    (runner/startup_work.py) a missing table is a :func:`provisional` one instead, and the full
+    one is measured after ready where that should be short (:class:`IdleCalibration`)."""
     from tr_serve.runner import startup_work
 
     path = cache_root() / "calibration" / f"{calibration_key(model_id, runner, recycle_k)}.json"
-    if startup_work.current() is not None:
+    work = startup_work.current()
+    if work is not None:
         cached = load_json(path, lambda data: parse_table(data, max_tokens), "calibration")
-        return cached if cached is not None else provisional(runner, max_tokens, recycle_k)
+        if cached is not None:
+            return cached
+        table = provisional(runner, max_tokens, recycle_k)
+        expected = measure_seconds(table, max_tokens, runner.num_rows)
+        if expected <= IDLE_CALIBRATION_SECONDS:
+            work.add(IdleCalibration(runner, model_id, max_tokens, recycle_k))
+        else:
+            logger.info("a full latency table would take about %.0f s: not measured while serving "
+                        "(`tr-serve prepare` measures it ahead of time)", expected)
+        return table
 
     def calibrate() -> LatencyTable:
         where = getattr(runner, "device_name", None) or device_name(runner.device)
         logger.info("calibrating forward latency on %s (cached in %s)", where, path)
         table = measure(runner, max_tokens, recycle_k=recycle_k)
-        save_json(path, {"tokens": table.tokens, "seconds": table.seconds,
-                         "row_offsets": [list(o) for o in table.row_offsets], "device": where,
-                         "model": model_id}, "calibration")
+        _save_table(path, table, runner, model_id)
         return table
 
     table, _ = load_or_make(path, lambda: load_json(path, lambda data: parse_table(data, max_tokens), "calibration"),

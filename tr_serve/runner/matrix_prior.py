@@ -181,6 +181,7 @@ class PriorComputation:
     Cached once complete, as :func:`load_or_compute` caches it."""
 
     name = "matrix prior"
+    order = 2  # last: the longest, and only drafts better
 
     def __init__(self, model, model_id: str, vocab: int, k: int, bos: int | None, path: Path):
         self.path = path

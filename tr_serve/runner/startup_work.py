@@ -7,7 +7,8 @@ got 503. With a :class:`StartupWork` collecting (:func:`deferring`), those two t
 at once and otherwise register a job here and return at once (torch's kernels, an empty prior);
 the server then calls :meth:`StartupWork.advance` on the engine's step thread, between steps, so a
 job never runs beside a forward and installs its result (the runner's plan, the matrix's empty
-rows) at a step boundary. Outside a collection (``LLM``, the benches, tests) everything is
+rows) at a step boundary. A missing latency table is a provisional one at once, the full one
+measured while the engine is idle (runner/calibration.py) and cached for the next start. Outside a collection (``LLM``, the benches, tests) everything is
 computed before the engine exists, as before.
 """
 
@@ -23,7 +24,9 @@ logger = logging.getLogger(__name__)
 
 
 class StartupJob(Protocol):
-    """One piece of deferred start-up work, advanced in slices."""
+    """One piece of deferred start-up work, advanced in slices. Optional attributes: ``order``
+    (lower runs first, default 0) and ``idle_only`` (True: advanced only while the engine has no
+    request, a job whose slice cannot be cut short)."""
 
     name: str
 
@@ -43,6 +46,7 @@ class StartupWork:
 
     def add(self, job: StartupJob) -> None:
         self.jobs.append(job)
+        self.jobs.sort(key=lambda j: getattr(j, "order", 0))  # stable: registration order within an order
 
     def extend(self, other: "StartupWork") -> None:
         self.jobs.extend(other.jobs)
@@ -51,23 +55,27 @@ class StartupWork:
     def pending(self) -> list[str]:
         return [job.name for job in self.jobs]
 
-    def advance(self, seconds: float, runner: Any = None, matrix: Any = None) -> bool:
-        """Run the jobs for about ``seconds``; True once none is left. A job that raises is
-        dropped (logged): the engine goes on with what it has, torch's kernels or a partial prior."""
+    def advance(self, seconds: float, runner: Any = None, matrix: Any = None, idle: bool = False) -> bool:
+        """Run the jobs for about ``seconds``; True once none is left. ``idle``: the engine has no
+        request, none admitted nor waiting (only then do ``idle_only`` jobs run). A job that raises is dropped (logged): the engine
+        goes on with what it has, torch's kernels or a partial prior."""
         start = time.perf_counter()
         end = start + seconds
         try:
-            while self.jobs:
-                job = self.jobs[0]
+            while True:
+                ready = [j for j in self.jobs if idle or not getattr(j, "idle_only", False)]
+                if not ready:
+                    break
+                job = ready[0]
                 try:
                     finished = job.advance(max(0.0, end - time.perf_counter()), runner, matrix)
                 except Exception:
                     logger.exception("start-up work %r failed; serving goes on without it", job.name)
-                    self.jobs.pop(0)
+                    self.jobs.remove(job)
                     self.failed.append(job.name)
                     continue
                 if finished:
-                    self.jobs.pop(0)
+                    self.jobs.remove(job)
                     self.done.append(job.name)
                     logger.info("start-up work %r done", job.name)
                 if time.perf_counter() >= end:

@@ -98,8 +98,8 @@ class TRServeConfig(BaseModel):
     init_timeout_s: float = Field(
         default=DEFAULT_INIT_TIMEOUT_S, gt=0, allow_inf_nan=False,
         description="tensor parallel: how long the replica's start-up may take (placing the workers, each reading "
-                    "its shard of the weights, downloads included, the process group and its warm-up all-reduce, "
-                    "the kernel plan) before it fails; raise it for a large checkpoint that is not on local disk yet")
+                    "its shard of the weights, downloads included, the process group and its warm-up all-reduce) "
+                    "before it fails; raise it for a large checkpoint that is not on local disk yet")
     step_timeout_s: float = Field(
         default=DEFAULT_STEP_TIMEOUT_S, gt=0, allow_inf_nan=False,
         description="tensor parallel: how long one forward on every worker may take before the runner fails and "
