@@ -151,3 +151,39 @@ def test_lossless_with_the_suffix_index_drafting_from_earlier_and_running_reques
     for i, out in enumerate(outs):
         cat, qid, _ = bench_prompts[i % len(bench_prompts)]
         check(out, references[i % len(references)], f"auto + suffix index, batched, {cat} q{qid}")
+
+
+def test_lossless_while_a_replicas_start_up_work_lands(bench_prompts, references, tmp_path, monkeypatch):
+    """A replica's deferred start-up (runner/startup_work.py): its engine starts on torch's kernels
+    with an empty matrix; the kernel plan's measurement, its swap and the prior's rows land in
+    slices between steps, in the middle of requests; every output stays plain decoding's."""
+    from tr_serve.model_loader import load_model
+    from tr_serve.runner import cpu_kernels, matrix_prior
+    from tr_serve.runner.startup_work import deferring
+
+    monkeypatch.setenv("TR_SERVE_CACHE", str(tmp_path))  # no cached kernel plan
+    monkeypatch.setattr(cpu_kernels, "POINTS", (1, 2, 4, 8, 16, 32, 64))
+    monkeypatch.setattr(cpu_kernels, "MEASURE_SECONDS", 2.0)
+    monkeypatch.setattr(matrix_prior, "packaged", lambda *a, **k: None)  # the prior computed in slices too
+    fresh = load_model("smollm2-135m-instruct")  # its own copy: the plan is installed on the model
+    with deferring() as work:
+        llm = LLM(tree="auto", loaded=fresh, max_num_seqs=1)
+    engine = llm.engine
+    assert work.pending[0] == "kernel plan" and work.pending[-1] == "matrix prior"
+    assert engine.runner.kernel_plan is None
+    assert engine.matrix.num_filled_rows() == 0
+    plans, filled = [], []
+    for (cat, qid, ids), want in list(zip(bench_prompts, references))[:NUM_COLD]:
+        rid = engine.add_request(ids, SamplingParams(max_tokens=NEW_TOKENS))
+        out = None
+        while engine.has_unfinished():
+            for o in engine.step():
+                if o.request_id == rid:
+                    out = o
+            work.advance(0.05, engine.runner, engine.matrix, not engine.has_unfinished())  # as the server does
+            plans.append(engine.runner.kernel_plan is not None)
+            filled.append(engine.matrix.num_filled_rows())
+        check(out, want, f"auto while the start-up work lands, {cat} q{qid}")
+    assert True in plans and False in plans, "the plan was not swapped in during the requests"
+    assert work.done[:1] == ["kernel plan"] and not work.failed
+    assert filled[-1] > filled[0] and filled[-1] > 1000  # the prior's rows arrived meanwhile

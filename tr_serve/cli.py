@@ -8,6 +8,7 @@
     tr-serve bench-tp [--tp 3] [--questions N] [--max-tokens N] [--tree T] ...
     tr-serve bench-tp-fleet [--config CONFIG.yaml] [--per-category N] [--max-tokens N] ...
     tr-serve run CONFIG.yaml [--drain-timeout S] [--num-cpus N]  # `serve run` with a graceful drain, Ray token auth on
+    tr-serve prepare CONFIG.yaml  # a replica's kernel plan, latency table and matrix prior, cached ahead of time
 
 Bad arguments print one line on stderr and exit with code 2.
 """
@@ -82,6 +83,9 @@ def build_parser() -> OneLineErrorParser:
     from tr_serve.serve import run as serve_run
 
     serve_run.add_parser(sub)  # tr-serve run CONFIG
+    from tr_serve.serve import warm_cache
+
+    warm_cache.add_parser(sub)  # tr-serve prepare CONFIG
     return parser
 
 

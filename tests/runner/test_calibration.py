@@ -99,3 +99,12 @@ def test_measure_adds_steps_of_several_rows(tokenizer):
     parsed = calibration.parse_table({"tokens": list(table.tokens), "seconds": list(table.seconds),
                                       "row_offsets": [list(o) for o in table.row_offsets]}, 48)
     assert parsed == table
+
+
+def test_a_cached_table_serves_the_step_sizes_it_was_measured_for():
+    """A table measured for 392-token steps ends at 384 (the largest count measured up to 392): it
+    is read back for 392, not measured again at every start; a table that stops short is not."""
+    data = {"tokens": [1, 2, 384], "seconds": [0.01, 0.02, 0.3]}
+    assert calibration.parse_table(data, 392).tokens[-1] == 384
+    assert calibration.parse_table(data, 384) is not None and calibration.parse_table(data, 520) is None
+    assert calibration.parse_table({"tokens": [1, 2, 648], "seconds": [0.01, 0.02, 0.4]}, 5000) is not None

@@ -137,16 +137,116 @@ def _row_offsets(runner: StepRunner, table: LatencyTable, context: int, repeats:
     return tuple(out)
 
 
+QUICK_POINTS = (1, 8, 64)  # a provisional table's counts (those up to the step's largest)
+QUICK_SECONDS = 3.0  # a provisional table stops adding counts after this long (at least two)
+
+
+def provisional(runner: StepRunner, max_tokens: int, recycle_k: int = 0, context: int = 1) -> LatencyTable:
+    """A latency table from one verify step per count of :data:`QUICK_POINTS` over a one-token
+    context, for a replica starting without a cached table (runner/startup_work.py): about 5 s on a
+    1B model on 2 busy cores, where :func:`measure` takes minutes; the budget's online correction
+    adjusts it while serving. The context's prefill is the warm-up. Not cached: ``tr-serve
+    prepare`` measures the full table ahead of time."""
+    row = torch.tensor([0])
+    context = max(1, min(context, runner.max_len - max_tokens - 1))
+    points = [q for q in QUICK_POINTS if q <= max_tokens and context + q <= runner.max_len] or [1]
+    high = min(1000, runner.vocab_size)
+    greedy = StepSampling((None,), recycle_k)
+    sync = torch.cuda.synchronize if runner.device.type == "cuda" else (lambda: None)
+    runner.free(0)
+    runner.prefill_step(row, [[10 + i % (high - 10) for i in range(context)]], greedy)
+
+    def step(q: int) -> float:
+        inputs = (torch.randint(10, high, (1, q)), torch.arange(q), torch.ones(q, q, dtype=torch.bool).tril(), None,
+                  greedy)
+        sync()
+        t0 = time.perf_counter()
+        runner.verify_step(row, *inputs)
+        sync()
+        return time.perf_counter() - t0
+
+    start = time.perf_counter()
+    seconds: list[float] = []
+    for q in points:
+        if len(seconds) >= 2 and time.perf_counter() - start > QUICK_SECONDS:
+            break
+        seconds.append(step(q))
+    runner.free(0)
+    for i in range(len(seconds) - 2, -1, -1):  # more tokens never cost less
+        seconds[i] = min(seconds[i], seconds[i + 1])
+    logger.info("provisional latency table (not cached; `tr-serve prepare` measures the full one): %s",
+                dict(zip(points, (round(t, 4) for t in seconds))))
+    return LatencyTable(tuple(points[:len(seconds)]), tuple(seconds))
+
+
+IDLE_CALIBRATION_SECONDS = 45.0  # after ready, a full table is measured only where it should take about this long
+
+
+def measure_seconds(table: LatencyTable, max_tokens: int, num_rows: int, context: int = 256) -> float:
+    """What :func:`measure` should take, from a (provisional) table: its prefill, every count's
+    warm-up and repeats, the steps of several rows."""
+    total = table(context)
+    for q in (q for q in POINTS if q <= max_tokens):
+        total += (1 + (5 if q <= 128 else 1)) * table(q)
+    for n in (n for n in ROW_COUNTS if n <= num_rows):
+        total += table(n * context) + sum(4 * table(n * w) for w in ROW_WIDTHS)
+    return total
+
+
+class IdleCalibration:
+    """The full latency table measured after the replica is ready (runner/startup_work.py): in one
+    piece while the engine has no request (it holds row 0 throughout), with the kernel plan
+    installed by then, and cached for the next start; the running engine keeps its provisional
+    table, which the budget corrects online."""
+
+    name = "latency table"
+    order = 1  # after the kernel plan, which it is keyed by
+    idle_only = True
+
+    def __init__(self, runner: StepRunner, model_id: str, max_tokens: int, recycle_k: int):
+        self.runner, self.model_id, self.max_tokens, self.recycle_k = runner, model_id, max_tokens, recycle_k
+
+    def advance(self, seconds: float, runner=None, matrix=None) -> bool:
+        path = cache_root() / "calibration" / f"{calibration_key(self.model_id, self.runner, self.recycle_k)}.json"
+        if load_json(path, lambda data: parse_table(data, self.max_tokens), "calibration") is None:
+            _save_table(path, measure(self.runner, self.max_tokens, recycle_k=self.recycle_k), self.runner,
+                        self.model_id)
+        return True
+
+
+def _save_table(path, table: LatencyTable, runner: StepRunner, model_id: str) -> None:
+    save_json(path, {"tokens": table.tokens, "seconds": table.seconds,
+                     "row_offsets": [list(o) for o in table.row_offsets],
+                     "device": getattr(runner, "device_name", None) or device_name(runner.device), "model": model_id},
+              "calibration")
+
+
 def load_or_measure(runner: StepRunner, model_id: str, max_tokens: int, recycle_k: int = 0) -> LatencyTable:
+    """The cached table, else measured and cached; inside a deferring start-up
+    (runner/startup_work.py) a missing table is a :func:`provisional` one instead, and the full
+    one is measured after ready where that should be short (:class:`IdleCalibration`)."""
+    from tr_serve.runner import startup_work
+
     path = cache_root() / "calibration" / f"{calibration_key(model_id, runner, recycle_k)}.json"
+    work = startup_work.current()
+    if work is not None:
+        cached = load_json(path, lambda data: parse_table(data, max_tokens), "calibration")
+        if cached is not None:
+            return cached
+        table = provisional(runner, max_tokens, recycle_k)
+        expected = measure_seconds(table, max_tokens, runner.num_rows)
+        if expected <= IDLE_CALIBRATION_SECONDS:
+            work.add(IdleCalibration(runner, model_id, max_tokens, recycle_k))
+        else:
+            logger.info("a full latency table would take about %.0f s: not measured while serving "
+                        "(`tr-serve prepare` measures it ahead of time)", expected)
+        return table
 
     def calibrate() -> LatencyTable:
         where = getattr(runner, "device_name", None) or device_name(runner.device)
         logger.info("calibrating forward latency on %s (cached in %s)", where, path)
         table = measure(runner, max_tokens, recycle_k=recycle_k)
-        save_json(path, {"tokens": table.tokens, "seconds": table.seconds,
-                         "row_offsets": [list(o) for o in table.row_offsets], "device": where,
-                         "model": model_id}, "calibration")
+        _save_table(path, table, runner, model_id)
         return table
 
     table, _ = load_or_make(path, lambda: load_json(path, lambda data: parse_table(data, max_tokens), "calibration"),
@@ -155,7 +255,10 @@ def load_or_measure(runner: StepRunner, model_id: str, max_tokens: int, recycle_
 
 
 def parse_table(data: dict, max_tokens: int) -> LatencyTable | None:
-    """A cached table, or None when it does not reach ``max_tokens`` query tokens."""
+    """A cached table, or None when it does not reach the largest of :data:`POINTS` up to
+    ``max_tokens`` query tokens (what :func:`measure` measures for them: a step of 392 tokens
+    reads a table measured up to 384, not one that has to reach 392)."""
     table = LatencyTable(tuple(data["tokens"]), tuple(data["seconds"]),
                          tuple((int(r), int(w), float(o)) for r, w, o in data.get("row_offsets", ())))
-    return table if table.tokens and table.tokens[-1] >= min(max_tokens, POINTS[-1]) else None
+    needed = max([q for q in POINTS if q <= max_tokens] or [POINTS[0]])
+    return table if table.tokens and table.tokens[-1] >= needed else None

@@ -43,11 +43,13 @@ import dataclasses
 import functools
 import hashlib
 import logging
+import math
 import platform
+import re
 import threading
 import time
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Any, Generator, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -166,6 +168,7 @@ class KernelLinear(nn.Linear):
     packed: torch.Tensor | None  # oneDNN's prepacked weight
     panels: torch.Tensor | None  # the panel GEMM's prepacked weight
     group: "FusedGroup | None"
+    layer: int | None  # the index of the block it belongs to (``model.layers.3.mlp.up_proj``: 3), if any
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         plan: KernelPlan | None = getattr(_state, "plan", None)
@@ -204,6 +207,7 @@ class FusedGroup:
             raise ValueError("members must all have a bias or none")
         self.packed: torch.Tensor | None = None
         self.panels: torch.Tensor | None = None
+        self.layer: int | None = getattr(members[0], "layer", None)
 
     @staticmethod
     def fusable(members: list[nn.Module]) -> bool:
@@ -278,17 +282,25 @@ def run_kernel(linear: KernelLinear | FusedGroup, x: torch.Tensor, kernel: str) 
 
 
 SIBLINGS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))  # read the same input in HF models
+_LAYER_INDEX = re.compile(r"(?:^|\.)(\d+)(?:\.|$)")
+
+
+def _layer_index(name: str) -> int | None:
+    """The first numeric part of a module's name (``model.layers.3.mlp.up_proj``: 3): its block."""
+    found = _LAYER_INDEX.search(name)
+    return int(found.group(1)) if found else None
 
 
 def kernel_linears(model: nn.Module) -> list[KernelLinear]:
     """Turn every fp32 CPU ``nn.Linear`` of ``model`` into a :class:`KernelLinear` (idempotent)."""
     out = []
-    for module in model.modules():
+    for name, module in model.named_modules():
         if type(module) is nn.Linear and module.weight.dtype == torch.float32 and module.weight.device.type == "cpu":
             module.__class__ = KernelLinear
             module.packed = None
             module.panels = None
             module.group = None
+            module.layer = _layer_index(name)
         if isinstance(module, KernelLinear):
             out.append(module)
     return out
@@ -397,29 +409,70 @@ class Timings:
 
 
 def _time_rounds(calls, inputs, kernels_at: dict[int, list[str]], rounds: int, timings: Timings,
-                 deadline: float = float("inf"), clock=None, first_round: int = 0, stop=None) -> None:
+                 deadline: float = float("inf"), clock=None, first_round: int = 0, stop=None,
+                 now=time.perf_counter, evict=None) -> Iterator[None]:
     """``rounds`` interleaved rounds: every (count, kernel) once per round, kernels in a rotating
     order and counts alternately ascending and descending, so a slow moment of the machine lands on
-    different pairs in different rounds. After ``deadline`` (perf_counter) only pairs never timed
-    are timed; ``stop(timings)`` True after a sample ends the rounds."""
+    different pairs in different rounds. After ``deadline`` (on the ``now`` clock) only pairs never
+    timed are timed; ``stop(timings)`` True after a sample ends the rounds. ``evict()``, when given,
+    runs before each sample, untimed. A generator: it yields after every sample, so a deferred
+    measurement can pause there (:class:`PlanMeasurement`)."""
     counts = sorted(n for n, ks in kernels_at.items() if ks)
     for r in range(first_round, first_round + rounds):
         for n in (counts if r % 2 == 0 else counts[::-1]):
             ks = kernels_at[n]
             for i in range(len(ks)):
                 k = ks[(i + r) % len(ks)]
-                if (n, k) in timings.best and time.perf_counter() > deadline:
+                if (n, k) in timings.best and now() > deadline:
                     continue
-                if clock is not None:  # CPU time: descheduling does not count, nothing to check
-                    timings.add(n, k, _time_pass(calls, inputs[n], k, clock), False)
+                if evict is not None:
+                    evict()
+                if clock is not None:  # CPU time of one thread: descheduling does not count, nothing to check
+                    with _one_thread():
+                        timings.add(n, k, _time_pass(calls, inputs[n], k, clock), False)
+                    yield
                     continue
                 before = _cpu_stall()
                 seconds = _time_pass(calls, inputs[n], k)
                 after = _cpu_stall()
                 disturbed = before is not None and after is not None and after - before > STALL_LIMIT * seconds
                 timings.add(n, k, seconds, disturbed)
+                yield
                 if stop is not None and stop(timings):
                     return
+
+
+@contextlib.contextmanager
+def _one_thread() -> Iterator[None]:
+    """torch on one thread for one sample of a busy machine's proxy measurement (thread CPU time),
+    then the thread count as it was: between samples the engine may run steps on all of them."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+class _WorkClock:
+    """Seconds spent measuring: it runs only between :meth:`resume` and :meth:`pause`, so the time
+    a deferred measurement waits between its slices does not use up its time budget."""
+
+    def __init__(self, running: bool = False):
+        self.spent = 0.0
+        self._since: float | None = time.perf_counter() if running else None
+
+    def resume(self) -> None:
+        if self._since is None:
+            self._since = time.perf_counter()
+
+    def pause(self) -> None:
+        if self._since is not None:
+            self.spent += time.perf_counter() - self._since
+            self._since = None
+
+    def now(self) -> float:
+        return self.spent + (time.perf_counter() - self._since if self._since is not None else 0.0)
 
 
 def suspect_points(seconds: dict[int, dict[str, float]]) -> list[int]:
@@ -492,99 +545,253 @@ def plan_from_seconds(seconds: dict[int, dict[str, float]], credit: float = C_LO
 
 
 def _measure(calls, inputs, kernels: list[str], points: tuple[int, ...], rounds: int, deadline: float,
-             clock=None, timings: Timings | None = None, done: int = 0) -> Timings:
+             clock=None, timings: Timings | None = None, done: int = 0, now=time.perf_counter,
+             evict=None) -> Generator[None, None, Timings]:
     """The timing schedule: ``min(2, rounds)`` interleaved rounds of every kernel (``done`` of them
     already in ``timings``), then the other rounds for the kernels that can still win; pairs with no
     clean sample again; counts slower than a larger count again. ``clock`` None: wall time with
-    stall checks; else that (CPU-time) clock."""
+    stall checks; else that (CPU-time) clock. ``deadline`` is on the ``now`` clock."""
     timings = timings if timings is not None else Timings()
-    start = time.perf_counter()
+    start = now()
     first = min(2, rounds)
-    _time_rounds(calls, inputs, {n: list(kernels) for n in points}, first - done, timings, deadline, clock, done)
+    yield from _time_rounds(calls, inputs, {n: list(kernels) for n in points}, first - done, timings, deadline, clock,
+                            done, now=now, evict=evict)
     # only kernels that can still win keep being timed (and those only a busy machine has seen)
     seconds = timings.table()
     contenders = {n: [k for k in kernels if seconds[n][k] <= CONTENDER * min(seconds[n].values())
                       or (n, k) not in timings.clean] for n in points}
-    _time_rounds(calls, inputs, contenders, rounds - first, timings, deadline, clock, first)
+    yield from _time_rounds(calls, inputs, contenders, rounds - first, timings, deadline, clock, first, now=now,
+                            evict=evict)
     # pairs with no clean sample (the machine was busy each time): again, twice, then for as long as
     # the measurement took so far (at most MAX_RETRY_SECONDS), all within the deadline
-    retry_until = min(deadline, time.perf_counter() + min(MAX_RETRY_SECONDS, time.perf_counter() - start))
+    retry_until = min(deadline, now() + min(MAX_RETRY_SECONDS, now() - start))
     retry = 0
-    while time.perf_counter() < deadline and (retry < 2 or time.perf_counter() < retry_until):
+    while now() < deadline and (retry < 2 or now() < retry_until):
         missing = {n: [k for k in contenders[n] if (n, k) not in timings.clean] for n in points}
         if not any(missing.values()):
             break
-        _time_rounds(calls, inputs, missing, 1, timings, deadline, clock)
+        yield from _time_rounds(calls, inputs, missing, 1, timings, deadline, clock, now=now, evict=evict)
         retry += 1
     for _ in range(2):  # counts that look slower than a larger count: measured again, with their neighbours
         suspects = suspect_points(timings.table())
-        if not suspects or time.perf_counter() > deadline:
+        if not suspects or now() > deadline:
             break
         again = set()
         for n in suspects:
             i = points.index(n)
             again.update(points[max(0, i - 1): i + 2])
-        _time_rounds(calls, inputs, {n: contenders[n] for n in sorted(again)}, rounds, timings, deadline, clock)
+        yield from _time_rounds(calls, inputs, {n: contenders[n] for n in sorted(again)}, rounds, timings, deadline,
+                                clock, now=now, evict=evict)
     return timings
+
+
+# What one measurement packs and times. The plan picks one kernel per token count for every linear
+# of the forward, so it compares whole forwards' linears; it times a sample of them:
+STREAM_BYTES = 128 << 20  # the first blocks whose weights reach this (each block's calls stand for every block's)
+EVICT_BYTES = 64 << 20  # a part smaller than this is timed after this many bytes are written: out of the caches
+# the prepacked copies a measurement holds at a time: one copy of the model's largest weight, or this
+# much where that is smaller (a small model's parts would only cost time)
+PACK_FLOOR_BYTES = 64 << 20
+
+
+def _weight_bytes(call) -> int:
+    return call.weight.numel() * call.weight.element_size()
+
+
+def _shape(call) -> tuple[int, int, bool]:
+    return call.out_features, call.in_features, call.bias is not None
+
+
+def measurement_sample(calls: list) -> list[tuple[Any, float]]:
+    """(call, how many of the forward's calls it stands for), in model order.
+
+    Why a sample: timing every kernel at every count over a whole 1B model's linears is minutes of
+    CPU. Where the model is a stack of identical blocks (same shapes in the same order, as
+    transformers' decoder layers), the first blocks whose weights reach :data:`STREAM_BYTES`
+    stand for all of them (weight = blocks / sampled blocks): enough bytes that a pass streams its
+    weights from memory, as a forward does, rather than from a cache. Calls outside the blocks (the
+    LM head) are timed themselves. Anything else: every call, weight 1."""
+    blocks: dict[int, list] = {}
+    for c in calls:
+        layer = getattr(c, "layer", None)
+        if layer is not None:
+            blocks.setdefault(layer, []).append(c)
+    if len(blocks) < 2 or len({tuple(_shape(c) for c in cs) for cs in blocks.values()}) != 1:
+        return [(c, 1.0) for c in calls]
+    chosen, size = set(), 0
+    for layer, cs in blocks.items():  # in model order
+        chosen.add(layer)
+        size += sum(_weight_bytes(c) for c in cs)
+        if size >= STREAM_BYTES:
+            break
+    weight = len(blocks) / len(chosen)
+    out = []
+    for c in calls:
+        layer = getattr(c, "layer", None)
+        if layer is None:
+            out.append((c, 1.0))
+        elif layer in chosen:
+            out.append((c, weight))
+    return out
+
+
+@dataclass
+class _Part:
+    """Consecutive calls of the sample packed together, and the kernels timed together over them:
+    one phase per group of prepacked kernels whose copies fit the memory bound."""
+
+    calls: list
+    weight: float
+    phases: list[list[str]]
+
+    @property
+    def bytes(self) -> int:
+        return sum(_weight_bytes(c) for c in self.calls)
+
+
+def _parts(sample: list[tuple[Any, float]], kernels: list[str], budget: int) -> list[_Part]:
+    """The sample cut into parts whose prepacked copies together stay within ``budget`` bytes (the
+    largest weight: one extra copy of it at a time). Parts of one weight are cut evenly, so none is
+    a small remainder; a call too large to pack for every prepacked kernel at once gets a phase per
+    kernel (the kernels without a copy are timed in the first)."""
+    prepacked = [k for k in kernels if k in PREPACKED]
+    plain = [k for k in kernels if k not in PREPACKED]
+    limit = budget / max(1, len(prepacked))
+    runs: list[tuple[float, list]] = []  # consecutive calls of one weight
+    for c, w in sample:
+        if runs and runs[-1][0] == w:
+            runs[-1][1].append(c)
+        else:
+            runs.append((w, [c]))
+    parts = []
+    for w, cs in runs:
+        pieces = max(1, math.ceil(sum(_weight_bytes(c) for c in cs) / max(1.0, limit)))
+        target = sum(_weight_bytes(c) for c in cs) / pieces
+        current, size = [], 0
+        for c in cs:
+            b = _weight_bytes(c)
+            if current and size + b > limit:  # never over the limit (but a single call may be)
+                parts.append(_Part(current, w, []))
+                current, size = [], 0
+            current.append(c)
+            size += b
+            if size >= target:
+                parts.append(_Part(current, w, []))
+                current, size = [], 0
+        if current:
+            parts.append(_Part(current, w, []))
+    for part in parts:
+        if part.bytes * len(prepacked) <= budget or len(prepacked) <= 1:
+            part.phases = [list(kernels)]
+        else:
+            part.phases = [plain + prepacked[:1]] + [[k] for k in prepacked[1:]]
+    return parts
+
+
+def _measurement(calls: list, points: tuple[int, ...], rounds: int,
+                 clock: _WorkClock) -> Generator[None, None, tuple[KernelPlan, dict[int, dict[str, float]], dict]]:
+    """:func:`measure_plan` as a generator that yields after every sample and every packed weight
+    group; its deadline runs on ``clock`` (work time)."""
+    kernels = available_kernels()
+    sample = measurement_sample(calls)
+    budget = max(PACK_FLOOR_BYTES, max(_weight_bytes(c) for c in calls))
+    parts = _parts(sample, kernels, budget)
+    work = [(part, phase) for part in parts for phase in part.phases]
+    shares = [part.bytes * len(phase) for part, phase in work]
+    widths = sorted({c.in_features for c, _ in sample})
+    now = clock.now
+    seconds_total: dict[tuple[int, str], float] = {}
+    variants_total: dict[tuple[int, tuple[bool, bool]], float] = {}
+    samples = disturbed = 0
+    proxy: bool | None = None
+    evict_buffer: torch.Tensor | None = None
+    with torch.inference_mode():
+        inputs = {n: {w: torch.randn(n, w) for w in widths} for n in points}
+        for (part, phase), share in zip(work, shares):
+            evict = None
+            if part.bytes < EVICT_BYTES:
+                if evict_buffer is None:
+                    evict_buffer = torch.empty(EVICT_BYTES // 4)
+                evict = functools.partial(evict_buffer.fill_, 0.0)
+            packed = [k for k in phase if k in PREPACKED]
+            try:
+                for k in packed:
+                    for c in part.calls:
+                        _pack([c], k)
+                        yield
+                deadline = now() + MEASURE_SECONDS * share / sum(shares)
+                shapes = list({_shape(c): c for c in part.calls}.values())
+                for n in points:  # warm-up: one call per distinct shape (first touches, oneDNN primitive creation)
+                    for k in phase:
+                        _time_pass(shapes, inputs[n], k)
+                        yield
+                timings = None
+                if proxy is None:  # decided once, on the first part: is the machine too busy for wall time?
+                    busy = _cpu_busy()
+                    if busy is None or busy < BUSY_SHARE:
+                        probe = Timings()  # the first round in wall time, given up once most samples are disturbed
+                        yield from _time_rounds(part.calls, inputs, {n: list(phase) for n in points}, 1, probe,
+                                                deadline, stop=lambda t: t.samples >= 8 and t.disturbed > BUSY_SHARE
+                                                * t.samples, now=now, evict=evict)
+                        if probe.disturbed <= BUSY_SHARE * probe.samples:
+                            timings = yield from _measure(part.calls, inputs, phase, points, rounds, deadline,
+                                                          timings=probe, done=1, now=now, evict=evict)
+                    proxy = timings is None
+                cpu_clock = time.thread_time if proxy else None
+                if timings is None:
+                    timings = yield from _measure(part.calls, inputs, phase, points, rounds, deadline, cpu_clock,
+                                                  now=now, evict=evict)
+                samples += timings.samples
+                disturbed += timings.disturbed
+                for key, t in timings.best.items():
+                    seconds_total[key] = seconds_total.get(key, 0.0) + part.weight * t
+                if "panel" in phase:
+                    best = yield from _panel_variant_times(part.calls, inputs, points, rounds, cpu_clock, deadline,
+                                                           now, evict)
+                    for (n, v), t in best.items():
+                        if v == PANEL_DEFAULT:  # the plan's own rounds timed the defaults too
+                            t = min(t, timings.best.get((n, "panel"), float("inf")))
+                        variants_total[n, v] = variants_total.get((n, v), 0.0) + part.weight * t
+            finally:
+                for k in packed:
+                    _unpack(part.calls, k)  # one part's copies at a time
+    seconds: dict[int, dict[str, float]] = {}
+    for (n, k), t in sorted(seconds_total.items()):
+        seconds.setdefault(n, {})[k] = t
+    settings = _choose_panel_settings(variants_total, seconds, points) if "panel" in kernels else {}
+    plan = dataclasses.replace(plan_from_seconds(seconds, c_loop_credit()), **settings)
+    info = {"samples": samples, "disturbed": disturbed, "seconds_spent": round(now(), 3),
+            "clock": "one thread, thread CPU time (busy machine)" if proxy else "wall",
+            "provisional": bool(proxy) or disturbed > BUSY_SHARE * samples,
+            "parts": len(parts), "sampled_calls": len(sample), "calls": len(calls)}
+    if proxy:
+        logger.info("kernel timing: the CPUs are busy; kernels ranked on one thread by CPU time (provisional plan)")
+    elif disturbed:
+        logger.info("kernel timing: %d of %d samples ran while the CPUs were contended", disturbed, samples)
+    return plan, seconds, info
 
 
 def measure_plan(calls: list, points: tuple[int, ...] = POINTS,
                  rounds: int = ROUNDS) -> tuple[KernelPlan, dict[int, dict[str, float]], dict]:
     """Time every kernel at every count over ``calls`` (a forward's linears) and build the plan.
-    Returns the plan, the seconds per count and kernel (the fastest sample) and how the samples went.
+    Returns the plan, the seconds per count and kernel (the fastest sample; of a whole forward's
+    linears, estimated from :func:`measurement_sample`) and how the samples went.
+
+    Bounded in memory: the prepacked kernels' copies are made for one part of the sample at a
+    time, together at most one copy of the model's largest weight (:func:`_parts`); and in time:
+    :data:`MEASURE_SECONDS` of measuring, after which every pair not yet timed is timed once.
 
     On a busy machine (CPU pressure before starting, or most first-round samples disturbed), wall
     time of a multi-threaded kernel mostly measures the scheduler (an OpenMP team waits for its
     descheduled members at every barrier). The kernels are then ranked on one thread by that
     thread's CPU time instead, which descheduling does not inflate: a proxy for the real thread
     count, so the plan is provisional (measured again at a quiet start)."""
-    kernels = available_kernels()
-    for k in PREPACKED:
-        if k in kernels:
-            _pack(calls, k)
-    widths = sorted({m.in_features for m in calls})
-    start = time.perf_counter()
-    deadline = start + MEASURE_SECONDS
-    with torch.inference_mode():
-        inputs = {n: {w: torch.randn(n, w) for w in widths} for n in points}
-        shapes = list({(m.out_features, m.in_features, m.bias is not None): m for m in calls}.values())
-        for n in points:  # warm-up: one call per distinct shape (first touches, oneDNN primitive creation)
-            for k in kernels:
-                _time_pass(shapes, inputs[n], k)
-        busy = _cpu_busy()
-        timings = None
-        if busy is None or busy < BUSY_SHARE:
-            probe = Timings()  # the first round, in wall time, given up as soon as most samples are disturbed
-            _time_rounds(calls, inputs, {n: list(kernels) for n in points}, 1, probe, deadline,
-                         stop=lambda t: t.samples >= 8 and t.disturbed > BUSY_SHARE * t.samples)
-            if probe.disturbed <= BUSY_SHARE * probe.samples:
-                timings = _measure(calls, inputs, kernels, points, rounds, deadline, timings=probe, done=1)
-        proxy = timings is None
-        clock = time.thread_time if proxy else None
-        threads = torch.get_num_threads()
-        if proxy:
-            torch.set_num_threads(1)
+    steps = _measurement(calls, points, rounds, _WorkClock(running=True))
+    while True:
         try:
-            if proxy:
-                timings = _measure(calls, inputs, kernels, points, rounds, deadline, clock)
-            settings = _choose_panel_settings(calls, inputs, timings, points, rounds, clock) if "panel" in kernels else {}
-        finally:
-            torch.set_num_threads(threads)
-    seconds = timings.table()
-    plan = dataclasses.replace(plan_from_seconds(seconds, c_loop_credit()), **settings)
-    for k in PREPACKED:
-        if k in kernels and k not in plan.kernels:
-            _unpack(calls, k)  # the packed copies cost as much memory as the weights
-    info = {"samples": timings.samples, "disturbed": timings.disturbed,
-            "seconds_spent": round(time.perf_counter() - start, 3),
-            "clock": "one thread, thread CPU time (busy machine)" if proxy else "wall",
-            "provisional": proxy or timings.disturbed > BUSY_SHARE * timings.samples}
-    if proxy:
-        logger.info("kernel timing: the CPUs are busy; kernels ranked on one thread by CPU time (provisional plan)")
-    elif timings.disturbed:
-        logger.info("kernel timing: %d of %d samples ran while the CPUs were contended", timings.disturbed,
-                    timings.samples)
-    return plan, seconds, info
+            next(steps)
+        except StopIteration as stop:
+            return stop.value
 
 
 def _panel_variants(n: int) -> list[tuple[bool, bool]]:
@@ -595,40 +802,54 @@ def _panel_variants(n: int) -> list[tuple[bool, bool]]:
     return variants
 
 
-def _choose_panel_settings(calls, inputs, timings: Timings, points: tuple[int, ...], rounds: int,
-                           clock=None) -> dict:
-    """The panel GEMM's settings for the plan: at every count up to its
-    :data:`panel_gemm.PREFETCH_L2_MAX_ROWS`, its prefetch into L1 or L2, and at
-    :data:`WIDE_NARROW_POINT` also its row blocks for 13-16 rows, each setting timed in interleaved
-    rounds; per count the fastest is kept and its time recorded as the panel GEMM's (with the plan's
-    own samples, taken with the defaults, where the defaults win). Returns them as :class:`KernelPlan`
-    fields. Why measured: blocks of 4 rows over 6 panels ran 16 rows 2.4% faster on a CPU with
-    two 512-bit multiply-adds per cycle per core, blocks of 8 over 3 panels 11% faster on a Zen 4 with
-    one; on that Zen 4 a prefetch into L2 ran 1-12 rows 4-16% faster and 24-48 rows up to 8% slower."""
+def _panel_variant_times(calls, inputs, points: tuple[int, ...], rounds: int, clock=None,
+                         deadline: float = float("inf"), now=time.perf_counter,
+                         evict=None) -> Generator[None, None, dict[tuple[int, tuple[bool, bool]], float]]:
+    """The fastest sample of each panel GEMM setting (:func:`_panel_variants`) at every count up to
+    :data:`panel_gemm.PREFETCH_L2_MAX_ROWS`, in interleaved rounds (after ``deadline``, no round past
+    the first). The library is put back on its defaults after every sample: between samples the
+    engine may run steps."""
     counts = [n for n in points if n <= panel_gemm.PREFETCH_L2_MAX_ROWS]
     best: dict[tuple[int, tuple[bool, bool]], float] = {}
-    try:
-        for r in range(rounds):
-            for n in (counts if r % 2 == 0 else counts[::-1]):
-                variants = _panel_variants(n)
-                for i in range(len(variants)):
-                    wide_narrow, l2 = variants[(i + r) % len(variants)]
+    for r in range(rounds):
+        if r > 0 and now() > deadline:
+            break
+        for n in (counts if r % 2 == 0 else counts[::-1]):
+            variants = _panel_variants(n)
+            for i in range(len(variants)):
+                wide_narrow, l2 = variants[(i + r) % len(variants)]
+                if evict is not None:
+                    evict()
+                try:
                     panel_gemm.set_wide_narrow(wide_narrow)
                     panel_gemm.set_prefetch_l2((n,) if l2 else ())
-                    seconds = _time_pass(calls, inputs[n], "panel", clock or time.perf_counter)
-                    best[n, (wide_narrow, l2)] = min(best.get((n, (wide_narrow, l2)), float("inf")), seconds)
-    finally:
-        panel_gemm.set_wide_narrow(PANEL_DEFAULT[0])
-        panel_gemm.set_prefetch_l2(())
+                    with _one_thread() if clock is not None else contextlib.nullcontext():
+                        seconds = _time_pass(calls, inputs[n], "panel", clock or time.perf_counter)
+                finally:
+                    panel_gemm.set_wide_narrow(PANEL_DEFAULT[0])
+                    panel_gemm.set_prefetch_l2(())
+                best[n, (wide_narrow, l2)] = min(best.get((n, (wide_narrow, l2)), float("inf")), seconds)
+                yield
+    return best
+
+
+def _choose_panel_settings(variants: dict[tuple[int, tuple[bool, bool]], float],
+                           seconds: dict[int, dict[str, float]], points: tuple[int, ...]) -> dict:
+    """The panel GEMM's settings for the plan from each setting's time (:func:`_panel_variant_times`,
+    summed over the sample's parts): at every count up to its :data:`panel_gemm.PREFETCH_L2_MAX_ROWS`,
+    its prefetch into L1 or L2, and at :data:`WIDE_NARROW_POINT` also its row blocks for 13-16 rows;
+    per count the fastest is kept and its time becomes the panel GEMM's in ``seconds``. Returns
+    them as :class:`KernelPlan` fields. Why measured: blocks of 4 rows over 6 panels ran 16 rows
+    2.4% faster on a CPU with two 512-bit multiply-adds per cycle per core, blocks of 8 over 3
+    panels 11% faster on a Zen 4 with one; on that Zen 4 a prefetch into L2 ran 1-12 rows 4-16%
+    faster and 24-48 rows up to 8% slower."""
     wide_narrow, prefetch_l2 = PANEL_DEFAULT[0], []
     for n in points:
-        if n not in counts:
+        if (n, PANEL_DEFAULT) not in variants:
             prefetch_l2.append(False)
             continue
-        own = timings.best.get((n, "panel"), float("inf"))
-        best[n, PANEL_DEFAULT] = min(best[n, PANEL_DEFAULT], own)
-        chosen = min(_panel_variants(n), key=lambda v: (best[n, v], v != PANEL_DEFAULT))
-        timings.best[n, "panel"] = best[n, chosen]
+        chosen = min(_panel_variants(n), key=lambda v: (variants.get((n, v), float("inf")), v != PANEL_DEFAULT))
+        seconds[n]["panel"] = variants[n, chosen]
         prefetch_l2.append(chosen[1])
         if n == WIDE_NARROW_POINT:
             wide_narrow = chosen[0]
@@ -686,11 +907,81 @@ def _cached_plan(path) -> KernelPlan | None:
     return plan
 
 
+def _save_plan(path, plan: KernelPlan, seconds: dict[int, dict[str, float]], info: dict) -> None:
+    from tr_serve.disk_cache import save_json
+
+    save_json(path, {"version": PLAN_VERSION, "points": plan.points, "kernels": plan.kernels,
+                     "rows": plan.rows, "panel_wide_narrow": plan.panel_wide_narrow,
+                     "panel_prefetch_l2": plan.panel_prefetch_l2,
+                     "seconds": {str(n): t for n, t in seconds.items()},
+                     "measurement": info}, "kernel plan")
+
+
+def _pack_plan(calls: list, plan: KernelPlan) -> None:
+    for k in PREPACKED:
+        if k in plan.kernels:
+            _pack(calls, k)
+
+
+class PlanMeasurement:
+    """A model's kernel plan measured after the replica is ready (runner/startup_work.py): the
+    measurement of :func:`measure_plan` in slices of about the time :meth:`advance` is given, then
+    the chosen kernel's copy of the weights packed one weight group per pause, then the plan cached
+    and installed in the runner that runs ``model`` (its forwards used torch's kernels until then).
+    Its time budget counts only the slices (:class:`_WorkClock`)."""
+
+    name = "kernel plan"
+    order = 0  # first: everything else runs faster on it
+
+    def __init__(self, model: nn.Module, calls: list, path):
+        self.model, self.calls, self.path = model, calls, path
+        self.clock = _WorkClock()
+        self.plan: KernelPlan | None = None
+        self._steps = self._run()
+
+    def _run(self) -> Generator[None, None, KernelPlan]:
+        logger.info("measuring CPU linear kernels after start-up, between steps (cached in %s)", self.path)
+        plan, seconds, info = yield from _measurement(self.calls, POINTS, ROUNDS, self.clock)
+        for k in PREPACKED:
+            if k in plan.kernels:
+                for c in self.calls:
+                    _pack([c], k)
+                    yield
+        _save_plan(self.path, plan, seconds, info)
+        return plan
+
+    def advance(self, seconds: float, runner: Any = None, matrix: Any = None) -> bool:
+        if self.plan is not None:
+            return True
+        end = time.perf_counter() + seconds
+        self.clock.resume()
+        try:
+            while True:
+                next(self._steps)
+                if time.perf_counter() >= end:
+                    return False
+        except StopIteration as stop:
+            self.plan = stop.value
+        finally:
+            self.clock.pause()
+        self.model._tr_kernel_plan = self.plan
+        self.model._tr_plan_measurement = None
+        if runner is not None and getattr(runner, "model", None) is self.model:
+            runner.kernel_plan = self.plan  # between two steps: the next forward runs on it
+        logger.info("kernel plan measured in %.1f s of slices: %s", self.clock.now(), self.plan)
+        return True
+
+
 def select_plan(model: nn.Module) -> KernelPlan | None:
     """The kernel plan for ``model`` on this CPU: loaded from the cache or measured (several seconds
-    for SmolLM2-135M). None when the model has no fp32 CPU linears."""
-    from tr_serve.disk_cache import load_or_make, save_json
+    for SmolLM2-135M). None when the model has no fp32 CPU linears.
+
+    Inside :func:`tr_serve.runner.startup_work.deferring` (a replica starting): a cached plan at
+    once; otherwise None (torch's kernels, nothing packed) and a :class:`PlanMeasurement` that
+    measures it after the replica is ready."""
+    from tr_serve.disk_cache import load_or_make
     from tr_serve.model_loader import cache_root
+    from tr_serve.runner import startup_work
 
     cached = getattr(model, "_tr_kernel_plan", None)
     if cached is not None:
@@ -701,22 +992,29 @@ def select_plan(model: nn.Module) -> KernelPlan | None:
     calls = kernel_calls(model)
     path = cache_root() / "kernels" / f"{plan_key(calls)}.json"
 
+    work = startup_work.current()
+    if work is not None:
+        plan = _cached_plan(path)
+        if plan is None:
+            if getattr(model, "_tr_plan_measurement", None) is None:
+                model._tr_plan_measurement = PlanMeasurement(model, calls, path)
+                work.add(model._tr_plan_measurement)
+            return None
+        _pack_plan(calls, plan)
+        model._tr_kernel_plan = plan
+        return plan
+
     def measure() -> KernelPlan:
         logger.info("measuring CPU linear kernels (cached in %s)", path)
-        plan, seconds, info = measure_plan(calls)  # packs the weights for the kernels it keeps
-        save_json(path, {"version": PLAN_VERSION, "points": plan.points, "kernels": plan.kernels,
-                         "rows": plan.rows, "panel_wide_narrow": plan.panel_wide_narrow,
-                         "panel_prefetch_l2": plan.panel_prefetch_l2,
-                         "seconds": {str(n): t for n, t in seconds.items()},
-                         "measurement": info}, "kernel plan")
+        plan, seconds, info = measure_plan(calls)
+        _save_plan(path, plan, seconds, info)
+        _pack_plan(calls, plan)
         return plan
 
     # one process measures a plan while any other about to measure the same one (the ranks of a
     # tensor-parallel replica, parallel test workers) waits for it, then reads it
     plan, measured = load_or_make(path, lambda: _cached_plan(path), measure)
     if not measured:
-        for k in PREPACKED:
-            if k in plan.kernels:
-                _pack(calls, k)
+        _pack_plan(calls, plan)
     model._tr_kernel_plan = plan
     return plan

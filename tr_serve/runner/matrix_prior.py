@@ -23,7 +23,9 @@ from __future__ import annotations
 import copy
 import hashlib
 import logging
+import time
 from pathlib import Path
+from typing import Callable, Iterator
 
 import numpy as np
 import torch
@@ -32,10 +34,13 @@ from tr_serve.data import EMBEDDED_MATRIX_PRIOR
 from tr_serve.disk_cache import save_atomically
 from tr_serve.model_loader import cache_root
 from tr_serve.runner.hf_compat import cache_kwargs
+from tr_serve.tr.matrix import EMPTY
 
 logger = logging.getLogger(__name__)
 
 PRIOR_VERSION = 1  # bump when the way rows are computed changes: cached priors are computed again
+MAX_BATCH = 512  # tokens per forward
+FORWARD_SECONDS = 0.25  # a deferred computation's forwards take about this long: a request waits at most one
 
 
 def weights_fingerprint(model) -> str:
@@ -56,11 +61,14 @@ def prior_key(model, model_id: str, vocab: int, k: int, bos: int | None) -> str:
 
 
 @torch.inference_mode()
-def first_token_top_k(model, vocab: int, k: int, bos: int | None, batch: int = 512) -> torch.Tensor:
-    """[vocab, k] int32 on the CPU: row t = the model's k likeliest tokens after ``[bos, t]``.
+def first_token_rows(model, vocab: int, k: int, bos: int | None,
+                     batch: int | Callable[[], int] = 512) -> Iterator[tuple[int, torch.Tensor]]:
+    """(start, rows [n, k] int32 on the CPU) for consecutive tokens ``start..start+n-1``: row t = the
+    model's k likeliest tokens after ``[bos, t]``. ``batch``: tokens per forward, or a function
+    asked before each forward (a deferred computation sizes its forwards to its slices).
 
-    One forward per ``batch`` tokens, each a one-token query over the BOS's cached keys and
-    values (the BOS is run once), so the cost is one token's forward per vocabulary entry."""
+    Each forward is a one-token query per token over the BOS's cached keys and values (the BOS is
+    run once), so the cost is one token's forward per vocabulary entry."""
     from transformers import DynamicCache
 
     device = next(model.parameters()).device
@@ -68,9 +76,10 @@ def first_token_top_k(model, vocab: int, k: int, bos: int | None, batch: int = 5
     if bos is not None and 0 <= bos < vocab:
         prefix = DynamicCache(config=model.config)
         model(input_ids=torch.tensor([[bos]], device=device), **cache_kwargs(model, prefix))
-    rows = []
-    for start in range(0, vocab, batch):
-        ids = torch.arange(start, min(start + batch, vocab), device=device)
+    start = 0
+    while start < vocab:
+        size = max(1, int(batch() if callable(batch) else batch))
+        ids = torch.arange(start, min(start + size, vocab), device=device)
         if prefix is None:
             logits = model(input_ids=ids[:, None]).logits[:, -1]
         else:
@@ -78,8 +87,14 @@ def first_token_top_k(model, vocab: int, k: int, bos: int | None, batch: int = 5
             cache.batch_repeat_interleave(len(ids))
             positions = torch.ones(len(ids), 1, dtype=torch.long, device=device)
             logits = model(input_ids=ids[:, None], position_ids=positions, **cache_kwargs(model, cache)).logits[:, -1]
-        rows.append(torch.topk(logits[:, :vocab].float(), k, dim=-1).indices.to("cpu", torch.int32))
-    return torch.cat(rows)
+        yield start, torch.topk(logits[:, :vocab].float(), k, dim=-1).indices.to("cpu", torch.int32)
+        start += len(ids)
+
+
+def first_token_top_k(model, vocab: int, k: int, bos: int | None, batch: int = 512) -> torch.Tensor:
+    """[vocab, k] int32 on the CPU: row t = the model's k likeliest tokens after ``[bos, t]``
+    (:func:`first_token_rows`, ``batch`` tokens per forward)."""
+    return torch.cat([rows for _, rows in first_token_rows(model, vocab, k, bos, batch)])
 
 
 def _cache_path(key: str) -> Path:
@@ -131,7 +146,14 @@ def packaged(model, vocab: int, k: int, bos: int | None, path: Path = EMBEDDED_M
 def load_or_compute(model, model_id: str, vocab: int, k: int, bos: int | None) -> torch.Tensor:
     """The prior of ``model``: the packaged one when it was computed from these weights, else from
     the user cache, else computed (and cached: a cache that cannot be written only costs the
-    computation next time)."""
+    computation next time).
+
+    Inside :func:`tr_serve.runner.startup_work.deferring` (a replica starting), a prior that is
+    neither packaged nor cached is not computed here: this returns a table of EMPTY rows (seeding
+    it changes nothing) and registers a :class:`PriorComputation` that seeds the matrix's empty rows
+    after the replica is ready."""
+    from tr_serve.runner import startup_work
+
     table = packaged(model, vocab, k, bos)
     if table is not None:
         return table
@@ -139,7 +161,55 @@ def load_or_compute(model, model_id: str, vocab: int, k: int, bos: int | None) -
     table = _load(path, vocab, k)
     if table is not None:
         return table
+    work = startup_work.current()
+    if work is not None:
+        job = PriorComputation(model, model_id, vocab, k, bos, path)
+        work.add(job)
+        return job.table.clone()
     logger.info("computing the matrix prior of %s (%d tokens, once; cached in %s)", model_id, vocab, path)
     table = first_token_top_k(model, vocab, k, bos)
     save_atomically(path, lambda tmp: torch.save(table, tmp), "matrix prior")
     return table
+
+
+class PriorComputation:
+    """A prior computed after the replica is ready (runner/startup_work.py), in forwards sized to
+    the slices :meth:`advance` is given (about :data:`FORWARD_SECONDS` each, at most 512 tokens),
+    each slice's rows seeded into the matrix at once. The matrix's own rule keeps recycling's rows:
+    :meth:`AdjacencyMatrix.seed` fills only rows that are still EMPTY, so a row recycling wrote
+    first is never overwritten, and a row the prior filled is overwritten by recycling as before.
+    Cached once complete, as :func:`load_or_compute` caches it."""
+
+    name = "matrix prior"
+    order = 2  # last: the longest, and only drafts better
+
+    def __init__(self, model, model_id: str, vocab: int, k: int, bos: int | None, path: Path):
+        self.path = path
+        self.table = torch.full((vocab, k), EMPTY, dtype=torch.int32)
+        self.filled = 0  # rows computed, from row 0
+        self._batch = 16  # the first forward's tokens; then sized from the time a token took
+        self._rows = first_token_rows(model, vocab, k, bos, lambda: self._batch)
+        logger.info("computing the matrix prior of %s (%d tokens) after start-up, between steps (cached in %s)",
+                    model_id, vocab, path)
+
+    def advance(self, seconds: float, runner=None, matrix=None) -> bool:
+        end = time.perf_counter() + seconds
+        done = False
+        while True:
+            t0 = time.perf_counter()
+            try:
+                start, rows = next(self._rows)
+            except StopIteration:
+                done = True
+                break
+            per_token = (time.perf_counter() - t0) / len(rows)
+            self._batch = max(1, min(MAX_BATCH, int(FORWARD_SECONDS / max(per_token, 1e-9))))
+            self.table[start:start + len(rows)] = rows
+            self.filled = start + len(rows)
+            if time.perf_counter() >= end:
+                break
+        if matrix is not None:
+            matrix.seed(self.table)  # the empty rows only
+        if done:
+            save_atomically(self.path, lambda tmp: torch.save(self.table, tmp), "matrix prior")
+        return done

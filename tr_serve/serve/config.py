@@ -98,8 +98,8 @@ class TRServeConfig(BaseModel):
     init_timeout_s: float = Field(
         default=DEFAULT_INIT_TIMEOUT_S, gt=0, allow_inf_nan=False,
         description="tensor parallel: how long the replica's start-up may take (placing the workers, each reading "
-                    "its shard of the weights, downloads included, the process group and its warm-up all-reduce, "
-                    "the kernel plan) before it fails; raise it for a large checkpoint that is not on local disk yet")
+                    "its shard of the weights, downloads included, the process group and its warm-up all-reduce) "
+                    "before it fails; raise it for a large checkpoint that is not on local disk yet")
     step_timeout_s: float = Field(
         default=DEFAULT_STEP_TIMEOUT_S, gt=0, allow_inf_nan=False,
         description="tensor parallel: how long one forward on every worker may take before the runner fails and "
@@ -122,6 +122,11 @@ class TRServeConfig(BaseModel):
                                            f"default {BODY_BYTES_PER_CHAR} * max_prompt_chars + {BODY_OVERHEAD_BYTES}")
     max_json_depth: int = Field(default=32, ge=4, le=256,
                                 description="nesting of objects and arrays a request body may have")
+    startup_wait_s: float = Field(
+        default=60.0, ge=0, allow_inf_nan=False,
+        description="a request for a model whose first replica is still loading waits this long for it, then gets "
+                    "503 (code model_loading) with Retry-After; 0: the 503 at once. Until then /v1/models does not "
+                    "list the model and /health answers 503")
     drain_timeout_s: float = Field(
         default=30.0, ge=0, description="on drain (SIGINT/SIGTERM to `tr-serve run`, a replaced replica): how long "
                                         "in-flight requests may take to finish before they end with an error")

@@ -16,6 +16,10 @@ No model and no torch here: the ingress only parses, routes and frames. What it 
   ``PROBE_INTERVAL_S``; while a model has no live replica, its requests get a fast 503 with
   ``Retry-After`` instead of waiting in Serve's queue for a replica to come back, and requests
   already waiting for one are released with that 503.
+- **Start-up.** A model is listed (``/v1/models``) and counted by ``/health`` only once a replica
+  of it has answered the probe: Serve routes HTTP to the ingress before the model replicas have
+  loaded. A request for a model whose first replica is still starting waits for it up to
+  ``startup_wait_s``, then gets 503 (code ``model_loading``) with ``Retry-After``.
 - **Drain.** ``drain()`` (called by ``tr-serve run`` on SIGINT/SIGTERM) refuses new generation
   requests with 503 and gives the ones in flight ``drain_timeout_s`` to finish; then a stream
   ends with an in-band error event and ``data: [DONE]``, a non-streamed request with a 503.
@@ -52,8 +56,10 @@ HEALTH_ROUTES = frozenset({"/health"})  # the only routes served without an API 
 PROBE_INTERVAL_S = 1.0
 PROBE_TIMEOUT_S = 5.0
 UNAVAILABLE_RETRY_AFTER_S = 5
+STARTING_RETRY_AFTER_S = 10  # a replica loading its weights takes tens of seconds
 PARSE_IN_THREAD_BYTES = 64 * 1024  # larger bodies are parsed and walked in a worker thread
-DEFAULT_LIMITS = {"max_request_bytes": 327680, "max_json_depth": 32, "drain_timeout_s": 30.0}
+DEFAULT_LIMITS = {"max_request_bytes": 327680, "max_json_depth": 32, "drain_timeout_s": 30.0,
+                  "startup_wait_s": 60.0}
 
 
 def _json(obj: Any) -> str:
@@ -183,6 +189,13 @@ def _unavailable(reason: str) -> APIError:
                     None, "unavailable", {"Retry-After": str(UNAVAILABLE_RETRY_AFTER_S)})
 
 
+def _starting(model: str, waited_s: float) -> APIError:
+    waited = f" (waited {waited_s:.0f} s)" if waited_s >= 1 else ""
+    return APIError(503, f"the model '{echo(model)}' is still starting: its first replica is loading{waited}; "
+                         "retry later", "service_unavailable_error", None, "model_loading",
+                    {"Retry-After": str(STARTING_RETRY_AFTER_S)})
+
+
 def _shutting_down(detail: str) -> APIError:
     return APIError(503, f"the server is shutting down: {detail}", "service_unavailable_error", None,
                     "shutting_down", {"Retry-After": str(UNAVAILABLE_RETRY_AFTER_S)})
@@ -216,12 +229,22 @@ class _Model:
         self.handle = handle
         self.stream_handle = handle.options(stream=True)
         self.max_prompt_chars = max_prompt_chars
-        self.available = True  # the app is RUNNING only once every replica is up
-        self.reason = ""
+        # Serve routes HTTP here before the model's replicas have loaded: nothing is up until the probe says so
+        self.available = False
+        self.reason = "starting"
         self.down_since: float | None = None
         self.gone = asyncio.Event()  # set while the model has no live replica
+        self.gone.set()
+        self.ready = asyncio.Event()  # set once a replica has answered: the model has started
+
+    @property
+    def started(self) -> bool:
+        return self.ready.is_set()
 
     def mark_down(self, reason: str) -> None:
+        if not self.started:  # still loading: Serve has no running replica yet, nothing went wrong
+            self.reason = "starting"
+            return
         if self.available:
             logger.warning("tr_serve: model %r unavailable (%s): requests get 503 until a replica answers",
                            self.name, reason)
@@ -230,18 +253,22 @@ class _Model:
         self.gone.set()
 
     def mark_up(self) -> None:
-        if not self.available:
+        if not self.started:
+            logger.info("tr_serve: model %r is ready", self.name)
+        elif not self.available:
             logger.info("tr_serve: model %r available again after %.1f s", self.name,
                         time.monotonic() - (self.down_since or time.monotonic()))
         self.available, self.reason, self.down_since = True, "", None
         self.gone.clear()
+        self.ready.set()
 
 
 @serve.ingress()
 class OpenAIIngress:
     """``llm_deployments`` maps served model ids to model server deployments (handles at run time);
     ``model_cards`` holds the ``/v1/models`` entry of each; ``limits`` the edge limits
-    (``max_request_bytes``, ``max_json_depth``, ``drain_timeout_s``, ``max_prompt_chars`` per model)."""
+    (``max_request_bytes``, ``max_json_depth``, ``drain_timeout_s``, ``startup_wait_s``,
+    ``max_prompt_chars`` per model)."""
 
     def __init__(self, llm_deployments: dict, model_cards: dict[str, dict], api_keys: Optional[list[str]] = None,
                  limits: Optional[dict[str, Any]] = None):
@@ -255,6 +282,7 @@ class OpenAIIngress:
         self.max_request_bytes = int(limits["max_request_bytes"])
         self.max_json_depth = int(limits["max_json_depth"])
         self.drain_timeout_s = float(limits["drain_timeout_s"])
+        self.startup_wait_s = float(limits["startup_wait_s"])
         # keys given at build time, plus the env var as this replica sees it
         self.api_keys = sorted(set(api_keys or []) | set(env_api_keys()))
         self.metrics = IngressMetrics()
@@ -266,6 +294,7 @@ class OpenAIIngress:
         self._monitor: asyncio.Task | None = None
         self._probe_now = asyncio.Event()
         self._probed = asyncio.Event()  # set once the first probe round is done
+        self._draining = asyncio.Event()
 
     def __serve_build_asgi_app__(self) -> FastAPI:
         return build_fastapi_app(self)
@@ -277,6 +306,7 @@ class OpenAIIngress:
         if not self.draining:
             grace = self.drain_timeout_s if timeout_s is None else max(0.0, float(timeout_s))
             self.draining = True
+            self._draining.set()  # requests waiting for a model to start stop waiting
             self.drain_started = time.monotonic()
             self._drain_at = asyncio.get_running_loop().time() + grace
             for t in list(self._timeouts):
@@ -286,7 +316,8 @@ class OpenAIIngress:
 
     async def drain_status(self) -> dict[str, Any]:
         return {"draining": self.draining, "in_flight": self.in_flight,
-                "models": {n: {"available": m.available, "reason": m.reason} for n, m in self.models.items()}}
+                "models": {n: {"available": m.available, "started": m.started, "reason": m.reason}
+                           for n, m in self.models.items()}}
 
     # ---- availability probe -------------------------------------------------------------------
     def _ensure_monitor(self) -> None:
@@ -405,9 +436,29 @@ class OpenAIIngress:
         if chars > model.max_prompt_chars:
             return self.refuse(body.model, endpoint, prompt_too_long(chars, model.max_prompt_chars,
                                                                      body.prompt_param))
+        if not model.started:
+            waited = await self.wait_started(model)
+            if self.draining:
+                return self.refuse(body.model, endpoint, _shutting_down("not accepting new requests"))
+            if not model.started:
+                return self.refuse(body.model, endpoint, _starting(model.name, waited))
         if not model.available:
             return self.refuse(body.model, endpoint, _unavailable(model.reason))
         return await self.generate(body, model, endpoint, method, id_prefix)
+
+    async def wait_started(self, model: _Model) -> float:
+        """Wait up to ``startup_wait_s`` for the model's first replica (or a drain); the seconds waited."""
+        t0 = time.monotonic()
+        if self.startup_wait_s <= 0:
+            return 0.0
+        started = asyncio.ensure_future(model.ready.wait())
+        draining = asyncio.ensure_future(self._draining.wait())
+        try:
+            await asyncio.wait({started, draining}, timeout=self.startup_wait_s, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            started.cancel()
+            draining.cancel()
+        return time.monotonic() - t0
 
     async def _next(self, gen):
         """The next item of a handle stream; ``TimeoutError`` once a drain's deadline has passed."""
@@ -571,26 +622,36 @@ def build_fastapi_app(ingress: OpenAIIngress) -> FastAPI:
         logger.exception("tr_serve: unhandled error")
         return error_response(APIError(500, f"internal error: {type(exc).__name__}", "server_error"))
 
-    @app.get("/health")
-    async def health():
-        """200 when the app can serve: not draining and some model has a live replica (the first
-        call waits for the first probe, so a replica still loading is not reported as up)."""
+    async def probed() -> None:
+        """The first call waits for the first probe round, so a replica still loading is not
+        reported as up, nor one already up as missing."""
         ingress._ensure_monitor()
         try:
             await asyncio.wait_for(ingress._probed.wait(), PROBE_TIMEOUT_S)
         except asyncio.TimeoutError:
             pass
+
+    @app.get("/health")
+    async def health():
+        """200 when the app can serve: not draining and some model has a live replica."""
+        await probed()
         if ingress.draining:
             return error_response(_shutting_down("draining"))
+        starting = sorted(n for n, m in ingress.models.items() if not m.started)
         down = sorted(n for n, m in ingress.models.items() if not m.available)
         if down and len(down) == len(ingress.models):
+            if starting == down:
+                return error_response(_starting(", ".join(starting), 0.0))
             return error_response(_unavailable(f"no live replica of {down}"))
         return {"status": "ok"}
 
     @app.get("/v1/models")
     async def list_models():
+        """The models that have started (a replica answered): what ``/health`` counts."""
+        await probed()
         ingress.count("", "/v1/models", 200)
-        return {"object": "list", "data": list(ingress.model_cards.values())}
+        return {"object": "list", "data": [card for name, card in ingress.model_cards.items()
+                                           if name not in ingress.models or ingress.models[name].started]}
 
     @app.get("/v1/models/{model_id:path}")
     async def get_model(model_id: str):
@@ -598,6 +659,10 @@ def build_fastapi_app(ingress: OpenAIIngress) -> FastAPI:
         if card is None:
             raise APIErrorException(APIError(404, f"the model '{echo(model_id)}' does not exist",
                                              "invalid_request_error", "model", "model_not_found"))
+        await probed()
+        model = ingress.models.get(model_id)
+        if model is not None and not model.started:
+            return error_response(_starting(model_id, 0.0))
         return card
 
     @app.post("/v1/completions")

@@ -9,6 +9,12 @@ request cannot take the replica down or touch another request. Tokenization runs
 thread, never on the event loop that streams the other requests, and only after the prompt passed
 a character bound. Cancelling a call (client gone) closes the engine stream, which aborts the
 request in the engine.
+
+Start-up: the replica is ready once the weights are loaded and the engine can run a forward. The
+engine is built inside a :func:`~tr_serve.runner.startup_work.deferring` block, so what is not
+cached yet (the kernel plan's measurement, the matrix prior) becomes start-up work that a task of
+this replica runs after ``__init__`` returned, in slices on the engine's step thread between steps:
+back to back while no request is running, at most ``STARTUP_BUSY_SHARE`` of the time otherwise.
 """
 
 from __future__ import annotations
@@ -28,6 +34,8 @@ from tr_serve.serve.responses import responses_for
 logger = logging.getLogger("ray.serve")
 
 ACCEPTED = "tr_serve:accepted"  # first item of every request generator: a live replica has it
+STARTUP_SLICE_S = 0.25  # deferred start-up work runs in slices of about this long (a request waits at most one)
+STARTUP_BUSY_SHARE = 0.1  # while requests run, start-up work takes at most this share of the step thread
 
 
 class LLMServer:
@@ -37,6 +45,7 @@ class LLMServer:
         from tr_serve.engine.async_engine import AsyncEngine
         from tr_serve.engine.engine import Engine
         from tr_serve.model_loader import load_model
+        from tr_serve.runner.startup_work import deferring
         from tr_serve.serve.metrics import ServerMetrics
 
         self.config = TRServeConfig.from_args(config)
@@ -46,19 +55,21 @@ class LLMServer:
             torch.set_num_threads(threads)
         engine_config = self.config.engine_config()
         t0 = time.monotonic()
-        if self.config.tensor_parallel_size > 1:  # the same Engine; its runner's workers hold the shards (tr_serve/tp)
-            from tr_serve.tp.runner import tp_engine
+        with deferring() as self.startup:  # nothing but the weights and a forward before ready (module docstring)
+            if self.config.tensor_parallel_size > 1:  # the same Engine; its runner's workers hold the shards (tr_serve/tp)
+                from tr_serve.tp.runner import tp_engine
 
-            core = await asyncio.to_thread(tp_engine, engine_config.model, engine_config,
-                                           self.config.tensor_parallel_size, worker_cpus=self.config.worker_cpus,
-                                           step_timeout_s=self.config.step_timeout_s,
-                                           init_timeout_s=self.config.init_timeout_s)
-            self.tokenizer, self.vocab_size = core.tokenizer, int(core.runner.vocab_size)
-        else:
-            loaded = await asyncio.to_thread(load_model, engine_config.model, engine_config.device, engine_config.dtype)
-            self.tokenizer = loaded.tokenizer
-            self.vocab_size = int(loaded.model.config.vocab_size)
-            core = Engine(loaded, engine_config)
+                core = await asyncio.to_thread(tp_engine, engine_config.model, engine_config,
+                                               self.config.tensor_parallel_size, worker_cpus=self.config.worker_cpus,
+                                               step_timeout_s=self.config.step_timeout_s,
+                                               init_timeout_s=self.config.init_timeout_s)
+                self.tokenizer, self.vocab_size = core.tokenizer, int(core.runner.vocab_size)
+            else:
+                loaded = await asyncio.to_thread(load_model, engine_config.model, engine_config.device,
+                                                 engine_config.dtype)
+                self.tokenizer = loaded.tokenizer
+                self.vocab_size = int(loaded.model.config.vocab_size)
+                core = Engine(loaded, engine_config)
         self.max_model_len = engine_config.max_model_len
         self.max_prompt_chars = self.config.resolved_max_prompt_chars()
         self.metrics = ServerMetrics(self.model_id)
@@ -74,9 +85,33 @@ class LLMServer:
             self.engine, self.config.fleet, model_id=engine_config.model, tokenizer=self.tokenizer)
         self.num_finished = 0  # requests that ran to a finish_reason
         self.num_aborted = 0  # requests whose caller left first (client disconnect, cancellation)
-        logger.info("tr_serve: %s loaded as %r in %.1f s (tree %s, max_num_seqs %d, max_model_len %d, device %s)",
+        logger.info("tr_serve: %s loaded as %r in %.1f s (tree %s, max_num_seqs %d, max_model_len %d, device %s)%s",
                     engine_config.model, self.model_id, time.monotonic() - t0, engine_config.tree,
-                    engine_config.max_num_seqs, engine_config.max_model_len, engine_config.device)
+                    engine_config.max_num_seqs, engine_config.max_model_len, engine_config.device,
+                    f"; after ready: {', '.join(self.startup.pending)}" if self.startup.pending else "")
+        self._startup_task = (asyncio.get_running_loop().create_task(self._run_startup_work(), name="tr-serve-startup")
+                              if self.startup.pending else None)
+
+    async def _run_startup_work(self) -> None:
+        """The deferred start-up work (module docstring), one slice per call between steps."""
+        work = self.startup
+        try:
+            while work.pending and self.engine.alive:
+                t0 = time.monotonic()
+                await self.engine.call_between_steps(
+                    lambda core: work.advance(STARTUP_SLICE_S, core.runner, core.matrix, not core.has_unfinished()))
+                if self.engine.num_running or self.engine.num_waiting:  # leave the step thread to the requests
+                    await asyncio.sleep((time.monotonic() - t0) * (1 / STARTUP_BUSY_SHARE - 1))
+                else:
+                    await asyncio.sleep(0)
+            if not work.pending:
+                logger.info("tr_serve: start-up work done in %.1f s of slices (%s%s)", work.seconds,
+                            ", ".join(work.done) or "nothing", f"; failed: {', '.join(work.failed)}" if work.failed
+                            else "")
+        except asyncio.CancelledError:
+            raise
+        except Exception:  # the engine stopped meanwhile: its health check reports that
+            logger.warning("tr_serve: start-up work stopped", exc_info=True)
 
     # ---- Serve hooks --------------------------------------------------------------------------
     def check_health(self) -> None:
@@ -84,6 +119,9 @@ class LLMServer:
 
     async def __del__(self) -> None:
         """Serve awaits this at shutdown: a last push of the matrix rows, then the engine stops."""
+        task = getattr(self, "_startup_task", None)
+        if task is not None:
+            task.cancel()
         fleet = getattr(self, "fleet", None)
         if fleet is not None:
             await fleet.stop(final_push=True, timeout_s=5.0)
@@ -111,6 +149,7 @@ class LLMServer:
                 "max_num_seqs": self.config.engine_kwargs.max_num_seqs,
                 "tree": self.config.engine_kwargs.tree, "engine_alive": self.engine.alive,
                 "requests_finished": self.num_finished, "requests_aborted": self.num_aborted,
+                "startup_work": self.startup.status(),
                 "fleet": self.fleet.stats() if getattr(self, "fleet", None) is not None else None}
 
     async def completions(self, request: CompletionRequest, request_id: str) -> AsyncIterator:

@@ -219,10 +219,14 @@ class TPModelRunner(StepRunner):
     def allocate(self, max_len: int) -> "TPModelRunner":
         """``Engine``'s runner factory: every rank builds its ``ModelRunner`` (runner/factory.py:
         KV-cache shard of rows of ``max_len`` tokens, kernel plan); returns this runner."""
+        from tr_serve.runner import startup_work
+
         self._raise_if_dead()
         c = self.config
+        work = startup_work.current()  # a deferring start-up: the ranks measure an uncached plan after ready
         replies = self._gather([w.allocate.remote(max_len, c.max_num_seqs, c.kv_cache_memory_gb, c.cpu_kernels,
-                                                  self.sync_audit) for w in self.workers], self.init_timeout_s, "start-up")
+                                                  self.sync_audit, work is not None) for w in self.workers],
+                               self.init_timeout_s, "start-up")
         rows = {r["num_rows"] for r in replies}
         if len(rows) != 1:
             self._fail(TPWorkerError(f"tensor-parallel ranks allocated different KV-cache rows: {sorted(rows)}"))
@@ -232,7 +236,21 @@ class TPModelRunner(StepRunner):
         # the budget's latency table is keyed by where the forwards run: the workers' device, x world size
         self.device_name = f"{replies[0]['device_name']} x tp{self.world_size}"
         self._lens = torch.zeros(self.num_rows, dtype=torch.long)
+        if work is not None and any(r["startup_pending"] for r in replies):
+            work.add(_WorkersStartup(self))
         return self
+
+    def advance_startup(self, seconds: float) -> bool:
+        """Every rank's deferred start-up work (its kernel plan's measurement) for about ``seconds``,
+        the ranks at once; called between steps. True once every rank is done; ``kernel_plan``
+        then names rank 0's plan."""
+        self._raise_if_dead()
+        replies = self._gather([w.advance_startup.remote(seconds) for w in self.workers],
+                               self.step_timeout_s + seconds, "start-up work")
+        done = all(r["done"] for r in replies)
+        if done:
+            self.kernel_plan = TPKernels(self.world_size, self.info["backend"], replies[0]["kernel_plan"])
+        return done
 
     # ---- the runner contract ---------------------------------------------------------------------
     def length(self, row: int) -> int:
@@ -361,6 +379,18 @@ class TPModelRunner(StepRunner):
                 self._fail(TPWorkerError(f"tensor-parallel worker {names[rank]} failed in {where}: "
                                          f"{type(e).__name__}: {e}"))
         return ray.get(refs)
+
+
+class _WorkersStartup:
+    """The replica's side of its workers' deferred start-up work (runner/startup_work.py)."""
+
+    name = "tensor-parallel ranks' kernel plans"
+
+    def __init__(self, runner: TPModelRunner):
+        self.runner = runner
+
+    def advance(self, seconds: float, runner=None, matrix=None) -> bool:
+        return self.runner.advance_startup(seconds)
 
 
 def tp_engine(model, config: EngineConfig, tensor_parallel_size: int, *, matrix=None, timer=None, **runner_options):

@@ -20,6 +20,7 @@ it directly.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import socket
@@ -67,6 +68,9 @@ class TPWorker:
         self.runner = None
         self.audit = None  # a SyncAudit when allocate(sync_audit=True)
         self.sync_counts: list[int] = []  # forced device-to-host syncs per run(), when audited
+        from tr_serve.runner.startup_work import StartupWork
+
+        self.startup = StartupWork()  # this rank's kernel plan measurement, when allocate(defer=True) left it for later
 
     # ---- start-up -----------------------------------------------------------------------------
     def placement_info(self) -> tuple[str, list[str]]:
@@ -168,20 +172,30 @@ class TPWorker:
         return self.loaded.tokenizer
 
     def allocate(self, max_len: int, max_rows: int, kv_cache_memory_gb: float | None, cpu_kernels: str,
-                 sync_audit: bool = False) -> dict:
+                 sync_audit: bool = False, defer: bool = False) -> dict:
         """This rank's ``ModelRunner`` (runner/factory.py, as the engine builds its own): its
         KV-cache shard of ``num_rows`` rows of ``max_len`` tokens, for this rank's kv heads.
         ``sync_audit``: run on the sync audit's stand-in accelerator and count, per :meth:`run`,
-        what would wait for the device (runner/sync_audit.py; tests)."""
+        what would wait for the device (runner/sync_audit.py; tests). ``defer``: a kernel plan that
+        is not cached is measured after the replica is ready (:meth:`advance_startup`), torch's
+        kernels until then (runner/startup_work.py)."""
         from tr_serve.runner.calibration import device_name
         from tr_serve.runner.factory import local_runner
+        from tr_serve.runner.startup_work import deferring
         from tr_serve.runner.sync_audit import SyncAudit
 
         self.audit = SyncAudit() if sync_audit else None
-        self.runner = local_runner(self.loaded.model, max_len, max_rows, kv_cache_memory_gb, cpu_kernels,
-                                   emits=self.rank == 0, audit=self.audit)
+        with deferring(self.startup) if defer else contextlib.nullcontext():
+            self.runner = local_runner(self.loaded.model, max_len, max_rows, kv_cache_memory_gb, cpu_kernels,
+                                       emits=self.rank == 0, audit=self.audit)
         return {"num_rows": self.runner.num_rows, "kernel_plan": repr(self.runner.kernel_plan),
-                "device_name": device_name(self.runner.device)}
+                "device_name": device_name(self.runner.device), "startup_pending": self.startup.pending}
+
+    def advance_startup(self, seconds: float) -> dict:
+        """This rank's deferred start-up work for about ``seconds``, between two steps (the driver
+        calls it between its forwards); the plan it installs runs from the next step."""
+        done = self.startup.advance(seconds, self.runner, None)
+        return {"done": done, "kernel_plan": repr(self.runner.kernel_plan)}
 
     # ---- serving ------------------------------------------------------------------------------
     def run(self, ops: list[tuple]) -> Any:
