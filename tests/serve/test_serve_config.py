@@ -252,7 +252,7 @@ def test_error_middleware_rewrites_plain_text_errors_and_keeps_retry_after():
     from starlette.routing import Route
     from starlette.testclient import TestClient
 
-    from tr_serve.serve.ingress import APIKeyMiddleware, OpenAIErrorMiddleware
+    from tr_serve.serve.http_edge import APIKeyMiddleware, OpenAIErrorMiddleware
 
     async def busy(request):  # what Serve's own BackPressureError handler sends
         return Response("Request dropped due to backpressure (num_queued_requests=16, max_queued_requests=16).",

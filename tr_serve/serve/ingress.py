@@ -1,6 +1,8 @@
 """``OpenAIIngress``: the HTTP edge. FastAPI app with the OpenAI routes, API-key auth, request
 validation in OpenAI's error shape, routing by ``model`` to the model server deployments (one
-``DeploymentHandle`` per served model id) and SSE framing of their streamed chunks.
+``DeploymentHandle`` per served model id) and SSE framing of their streamed chunks. The ASGI
+middlewares and response classes under it are serve/http_edge.py, its refusals serve/refusals.py,
+a model's availability serve/served_model.py.
 
 No model and no torch here: the ingress only parses, routes and frames. What it guards:
 
@@ -28,16 +30,14 @@ No model and no torch here: the ingress only parses, routes and frames. What it 
 from __future__ import annotations
 
 import asyncio
-import hmac
 import json
 import logging
-import math
 import time
 from typing import Any, Optional
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 from ray import serve
 from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError, RequestCancelledError
@@ -46,165 +46,21 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from tr_serve.serve.protocol import (APIError, APIErrorException, ChatCompletionRequest, CompletionRequest,
                                      bad_request, check_json, echo, error_type_for, new_id, prompt_too_long,
                                      validation_error)
+from tr_serve.serve.http_edge import (APIKeyMiddleware, OpenAIErrorMiddleware, SSEResponse,
+                                      error_response, sse_json)
+from tr_serve.serve.refusals import overloaded, shutting_down, starting, too_large, unavailable
+from tr_serve.serve.served_model import ServedModel
 from tr_serve.serve.server import ACCEPTED
 
 logger = logging.getLogger("ray.serve")
 
 
 ENDPOINTS = frozenset({"/v1/models", "/v1/completions", "/v1/chat/completions", "/v1/tr/stats"})
-HEALTH_ROUTES = frozenset({"/health"})  # the only routes served without an API key
 PROBE_INTERVAL_S = 1.0
 PROBE_TIMEOUT_S = 5.0
-UNAVAILABLE_RETRY_AFTER_S = 5
-STARTING_RETRY_AFTER_S = 10  # a replica loading its weights takes tens of seconds
 PARSE_IN_THREAD_BYTES = 64 * 1024  # larger bodies are parsed and walked in a worker thread
 DEFAULT_LIMITS = {"max_request_bytes": 327680, "max_json_depth": 32, "drain_timeout_s": 30.0,
                   "startup_wait_s": 60.0}
-
-
-def _json(obj: Any) -> str:
-    return json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
-
-
-class ErrorJSONResponse(JSONResponse):
-    """ASCII JSON: an error body renders whatever a message holds (a lone surrogate included)."""
-
-    def render(self, content: Any) -> bytes:
-        return json.dumps(content, ensure_ascii=True, separators=(",", ":")).encode("ascii")
-
-
-def error_response(err: APIError) -> JSONResponse:
-    return ErrorJSONResponse(err.body(), status_code=err.status_code, headers=err.headers or None)
-
-
-def _route_path(scope) -> str:
-    path, root = scope.get("path", ""), scope.get("root_path", "")
-    if root and path.startswith(root):
-        path = path[len(root):] or "/"
-    return path
-
-
-class APIKeyMiddleware:
-    """Pure ASGI: every route but the exact health routes needs ``Authorization: Bearer <key>``
-    when keys are set. Runs before the body is read, so an unauthenticated request learns nothing else."""
-
-    def __init__(self, app, keys: list[str], on_reject=None):
-        self.app = app
-        self.keys = [k.encode() for k in keys]
-        self.on_reject = on_reject
-
-    def _ok(self, scope) -> bool:
-        for name, value in scope.get("headers", ()):
-            if name == b"authorization":
-                scheme, _, token = value.partition(b" ")
-                token = token.strip()
-                if scheme.lower() != b"bearer" or not token:
-                    return False
-                # compare against every key so the time does not depend on which one matched
-                return any([hmac.compare_digest(token, k) for k in self.keys])
-        return False
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] == "http" and self.keys and _route_path(scope) not in HEALTH_ROUTES \
-                and not self._ok(scope):
-            err = APIError(401, "missing or invalid API key: send 'Authorization: Bearer <key>'",
-                           "authentication_error", None, "invalid_api_key", {"WWW-Authenticate": "Bearer"})
-            if self.on_reject is not None:
-                self.on_reject(_route_path(scope))
-            await error_response(err)(scope, receive, send)
-            return
-        await self.app(scope, receive, send)
-
-
-class OpenAIErrorMiddleware:
-    """Pure ASGI, outermost: an error response that is not JSON (Serve's own backpressure handler,
-    Starlette's plain-text errors) is rewritten as an OpenAI error body with the same status and
-    ``Retry-After``; an exception that escapes before the response started becomes a 500 body."""
-
-    MAX_BODY = 64 * 1024
-
-    def __init__(self, app):
-        self.app = app
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        held: dict[str, Any] = {}
-        started = False
-
-        async def guarded_send(message):
-            nonlocal started
-            if message["type"] == "http.response.start":
-                status = message["status"]
-                ctype = b""
-                for k, v in message.get("headers", ()):
-                    if k.lower() == b"content-type":
-                        ctype = v.lower()
-                if status >= 400 and not ctype.startswith(b"application/json"):
-                    held["start"], held["body"] = message, b""
-                    return
-                started = True
-                await send(message)
-            elif message["type"] == "http.response.body" and "start" in held:
-                if len(held["body"]) < self.MAX_BODY:
-                    held["body"] += message.get("body", b"")
-                if not message.get("more_body", False):
-                    await self._send_rewritten(held.pop("start"), held.pop("body"), scope, receive, send)
-                    started = True
-            else:
-                await send(message)
-
-        try:
-            await self.app(scope, receive, guarded_send)
-        except Exception:
-            if started:
-                raise
-            logger.exception("tr_serve: unhandled error")
-            await error_response(APIError(500, "internal server error", "server_error"))(scope, receive, send)
-
-    @staticmethod
-    async def _send_rewritten(start, body: bytes, scope, receive, send):
-        status = start["status"]
-        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in start.get("headers", ())}
-        text = body.decode("utf-8", errors="replace").strip() or "error"
-        code = {429: "overloaded", 503: "unavailable", 413: "request_too_large", 404: "not_found",
-                405: "method_not_allowed"}.get(status)
-        keep = {k: v for k, v in headers.items() if k in ("retry-after", "www-authenticate", "allow")}
-        if status in (429, 503) and "retry-after" not in keep:
-            keep["retry-after"] = str(UNAVAILABLE_RETRY_AFTER_S)
-        err = APIError(status, echo(text, 300), error_type_for(status), None, code, keep)
-        await error_response(err)(scope, receive, send)
-
-
-def _overloaded(e: BackPressureError) -> APIError:
-    retry = e.retry_after_s if e.retry_after_s is not None else 1.0
-    status = e.status_code if e.status_code in (429, 503) else 503
-    return APIError(status, f"the server is overloaded, retry later ({e.message})", error_type_for(status),
-                    None, "overloaded", {"Retry-After": str(max(1, math.ceil(retry)))})
-
-
-def _unavailable(reason: str) -> APIError:
-    return APIError(503, f"the model server is unavailable, retry later: {reason}", "service_unavailable_error",
-                    None, "unavailable", {"Retry-After": str(UNAVAILABLE_RETRY_AFTER_S)})
-
-
-def _starting(model: str, waited_s: float) -> APIError:
-    waited = f" (waited {waited_s:.0f} s)" if waited_s >= 1 else ""
-    return APIError(503, f"the model '{echo(model)}' is still starting: its first replica is loading{waited}; "
-                         "retry later", "service_unavailable_error", None, "model_loading",
-                    {"Retry-After": str(STARTING_RETRY_AFTER_S)})
-
-
-def _shutting_down(detail: str) -> APIError:
-    return APIError(503, f"the server is shutting down: {detail}", "service_unavailable_error", None,
-                    "shutting_down", {"Retry-After": str(UNAVAILABLE_RETRY_AFTER_S)})
-
-
-def _too_large(limit: int, size: int | None) -> APIError:
-    got = f" (Content-Length {size})" if size is not None else ""
-    return APIError(413, f"the request body is larger than {limit} bytes{got} (max_request_bytes)",
-                    "invalid_request_error", None, "request_too_large")
 
 
 def _consume(task: asyncio.Future) -> None:
@@ -221,48 +77,6 @@ def _cancel(gen) -> None:
         pass
 
 
-class _Model:
-    """One served model: its handles, limits and availability as the probe last saw it."""
-
-    def __init__(self, name: str, handle, max_prompt_chars: int):
-        self.name = name
-        self.handle = handle
-        self.stream_handle = handle.options(stream=True)
-        self.max_prompt_chars = max_prompt_chars
-        # Serve routes HTTP here before the model's replicas have loaded: nothing is up until the probe says so
-        self.available = False
-        self.reason = "starting"
-        self.down_since: float | None = None
-        self.gone = asyncio.Event()  # set while the model has no live replica
-        self.gone.set()
-        self.ready = asyncio.Event()  # set once a replica has answered: the model has started
-
-    @property
-    def started(self) -> bool:
-        return self.ready.is_set()
-
-    def mark_down(self, reason: str) -> None:
-        if not self.started:  # still loading: Serve has no running replica yet, nothing went wrong
-            self.reason = "starting"
-            return
-        if self.available:
-            logger.warning("tr_serve: model %r unavailable (%s): requests get 503 until a replica answers",
-                           self.name, reason)
-            self.down_since = time.monotonic()
-        self.available, self.reason = False, reason
-        self.gone.set()
-
-    def mark_up(self) -> None:
-        if not self.started:
-            logger.info("tr_serve: model %r is ready", self.name)
-        elif not self.available:
-            logger.info("tr_serve: model %r available again after %.1f s", self.name,
-                        time.monotonic() - (self.down_since or time.monotonic()))
-        self.available, self.reason, self.down_since = True, "", None
-        self.gone.clear()
-        self.ready.set()
-
-
 @serve.ingress()
 class OpenAIIngress:
     """``llm_deployments`` maps served model ids to model server deployments (handles at run time);
@@ -277,7 +91,7 @@ class OpenAIIngress:
 
         limits = {**DEFAULT_LIMITS, **(limits or {})}
         chars = dict(limits.get("max_prompt_chars") or {})
-        self.models = {name: _Model(name, h, int(chars.get(name, 64 * 2048))) for name, h in llm_deployments.items()}
+        self.models = {name: ServedModel(name, h, int(chars.get(name, 64 * 2048))) for name, h in llm_deployments.items()}
         self.model_cards = dict(model_cards)
         self.max_request_bytes = int(limits["max_request_bytes"])
         self.max_json_depth = int(limits["max_json_depth"])
@@ -334,7 +148,7 @@ class OpenAIIngress:
             except asyncio.TimeoutError:
                 pass
 
-    async def _probe(self, model: _Model) -> None:
+    async def _probe(self, model: ServedModel) -> None:
         import ray.exceptions
 
         try:
@@ -380,12 +194,12 @@ class OpenAIIngress:
             except ValueError:
                 return bad_request("invalid Content-Length header", None, "invalid_body")
             if size > limit:
-                return _too_large(limit, size)
+                return too_large(limit, size)
         chunks, size = [], 0
         async for chunk in request.stream():
             size += len(chunk)
             if size > limit:
-                return _too_large(limit, None)
+                return too_large(limit, None)
             chunks.append(chunk)
         raw = b"".join(chunks)
         if len(raw) > PARSE_IN_THREAD_BYTES:
@@ -420,7 +234,7 @@ class OpenAIIngress:
     async def handle_generation(self, request: Request, model_cls, endpoint: str, method: str, id_prefix: str):
         self._ensure_monitor()
         if self.draining:
-            return self.refuse("", endpoint, _shutting_down("not accepting new requests"))
+            return self.refuse("", endpoint, shutting_down("not accepting new requests"))
         body = await self.read_request(request, model_cls)
         if isinstance(body, APIError):
             return self.refuse("", endpoint, body)
@@ -439,14 +253,14 @@ class OpenAIIngress:
         if not model.started:
             waited = await self.wait_started(model)
             if self.draining:
-                return self.refuse(body.model, endpoint, _shutting_down("not accepting new requests"))
+                return self.refuse(body.model, endpoint, shutting_down("not accepting new requests"))
             if not model.started:
-                return self.refuse(body.model, endpoint, _starting(model.name, waited))
+                return self.refuse(body.model, endpoint, starting(model.name, waited))
         if not model.available:
-            return self.refuse(body.model, endpoint, _unavailable(model.reason))
+            return self.refuse(body.model, endpoint, unavailable(model.reason))
         return await self.generate(body, model, endpoint, method, id_prefix)
 
-    async def wait_started(self, model: _Model) -> float:
+    async def wait_started(self, model: ServedModel) -> float:
         """Wait up to ``startup_wait_s`` for the model's first replica (or a drain); the seconds waited."""
         t0 = time.monotonic()
         if self.startup_wait_s <= 0:
@@ -469,7 +283,7 @@ class OpenAIIngress:
             finally:
                 self._timeouts.discard(t)
 
-    async def _accepted(self, gen, model: _Model) -> Optional[APIError]:
+    async def _accepted(self, gen, model: ServedModel) -> Optional[APIError]:
         """Wait until a live replica took the request (its ``ACCEPTED``): None, or the APIError
         that ends it. Released with a 503 when the model loses its last replica meanwhile."""
         nxt = asyncio.ensure_future(self._next(gen))
@@ -483,7 +297,7 @@ class OpenAIIngress:
                 _cancel(gen)
                 nxt.cancel()
         if not nxt.done() or nxt.cancelled():
-            return _unavailable(model.reason or "no running replica")
+            return unavailable(model.reason or "no running replica")
         try:
             item = nxt.result()
         except StopAsyncIteration:
@@ -495,22 +309,22 @@ class OpenAIIngress:
                                                                     "server_error")
         return None
 
-    def _failure(self, e: BaseException, model: _Model | None) -> APIError:
+    def _failure(self, e: BaseException, model: ServedModel | None) -> APIError:
         import ray.exceptions
 
         if isinstance(e, BackPressureError):
-            return _overloaded(e)
+            return overloaded(e)
         if isinstance(e, TimeoutError):  # the drain deadline passed
-            return _shutting_down("the request did not finish within the drain timeout")
+            return shutting_down("the request did not finish within the drain timeout")
         if isinstance(e, (DeploymentUnavailableError, ray.exceptions.RayActorError,
                           ray.exceptions.ActorUnavailableError, RequestCancelledError,
                           ray.exceptions.TaskCancelledError)):
             self._probe_now.set()  # find out now whether any replica is left
-            return _unavailable(type(e).__name__)
+            return unavailable(type(e).__name__)
         logger.exception("tr_serve: request to the model server failed")
         return APIError(500, f"internal error: {type(e).__name__}", "server_error")
 
-    async def generate(self, body, model: _Model, endpoint: str, method: str, id_prefix: str):
+    async def generate(self, body, model: ServedModel, endpoint: str, method: str, id_prefix: str):
         request_id = new_id(id_prefix)
         name = model.name
         gen = getattr(model.stream_handle, method).remote(body, request_id)
@@ -532,7 +346,7 @@ class OpenAIIngress:
             if not body.stream:
                 self.count(name, endpoint, 200)
                 return JSONResponse(first)
-            response = _SSEResponse(self._sse(first, gen, model, endpoint), on_close=lambda: self._closed(gen),
+            response = SSEResponse(self._sse(first, gen, model, endpoint), on_close=lambda: self._closed(gen),
                                     media_type="text/event-stream",
                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
             handed_over = True
@@ -549,13 +363,13 @@ class OpenAIIngress:
         _cancel(gen)  # no-op when the stream ran to its end
         self.in_flight -= 1
 
-    async def _sse(self, first, gen, model: _Model, endpoint: str):
+    async def _sse(self, first, gen, model: ServedModel, endpoint: str):
         """``data: {json}`` per chunk, then ``data: [DONE]``; a failure after the 200 went out is an
         in-band error event, then ``[DONE]``. Leaving early (client gone) cancels the handle's
         generator, which aborts the request in the engine."""
         status: int = 499
         try:
-            yield f"data: {_json(first)}\n\n"
+            yield f"data: {sse_json(first)}\n\n"
             while True:
                 try:
                     item = await self._next(gen)
@@ -568,29 +382,10 @@ class OpenAIIngress:
                     status = item.status_code
                     yield f"data: {json.dumps(item.body(), ensure_ascii=True, separators=(',', ':'))}\n\n"
                     break
-                yield f"data: {_json(item)}\n\n"
+                yield f"data: {sse_json(item)}\n\n"
             yield "data: [DONE]\n\n"
         finally:
             self.count(model.name, endpoint, status)
-
-
-class _SSEResponse(StreamingResponse):
-    """A StreamingResponse that always runs ``on_close`` once it is done with, including when the
-    client left before the body iterator started (whose ``finally`` then never runs)."""
-
-    def __init__(self, content, on_close, **kwargs):
-        super().__init__(content, **kwargs)
-        self._on_close = on_close
-
-    async def __call__(self, scope, receive, send):
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            try:
-                await self.body_iterator.aclose()
-            except Exception:  # already closed or still being closed by its own task
-                pass
-            self._on_close()
 
 
 def build_fastapi_app(ingress: OpenAIIngress) -> FastAPI:
@@ -636,13 +431,13 @@ def build_fastapi_app(ingress: OpenAIIngress) -> FastAPI:
         """200 when the app can serve: not draining and some model has a live replica."""
         await probed()
         if ingress.draining:
-            return error_response(_shutting_down("draining"))
+            return error_response(shutting_down("draining"))
         starting = sorted(n for n, m in ingress.models.items() if not m.started)
         down = sorted(n for n, m in ingress.models.items() if not m.available)
         if down and len(down) == len(ingress.models):
             if starting == down:
-                return error_response(_starting(", ".join(starting), 0.0))
-            return error_response(_unavailable(f"no live replica of {down}"))
+                return error_response(starting(", ".join(starting), 0.0))
+            return error_response(unavailable(f"no live replica of {down}"))
         return {"status": "ok"}
 
     @app.get("/v1/models")
@@ -662,7 +457,7 @@ def build_fastapi_app(ingress: OpenAIIngress) -> FastAPI:
         await probed()
         model = ingress.models.get(model_id)
         if model is not None and not model.started:
-            return error_response(_starting(model_id, 0.0))
+            return error_response(starting(model_id, 0.0))
         return card
 
     @app.post("/v1/completions")
