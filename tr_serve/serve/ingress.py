@@ -48,7 +48,7 @@ from tr_serve.serve.protocol import (APIError, APIErrorException, ChatCompletion
                                      validation_error)
 from tr_serve.serve.http_edge import (APIKeyMiddleware, OpenAIErrorMiddleware, SSEResponse,
                                       error_response, sse_json)
-from tr_serve.serve.refusals import overloaded, shutting_down, starting, too_large, unavailable
+from tr_serve.serve import refusals
 from tr_serve.serve.served_model import ServedModel
 from tr_serve.serve.server import ACCEPTED
 
@@ -194,12 +194,12 @@ class OpenAIIngress:
             except ValueError:
                 return bad_request("invalid Content-Length header", None, "invalid_body")
             if size > limit:
-                return too_large(limit, size)
+                return refusals.too_large(limit, size)
         chunks, size = [], 0
         async for chunk in request.stream():
             size += len(chunk)
             if size > limit:
-                return too_large(limit, None)
+                return refusals.too_large(limit, None)
             chunks.append(chunk)
         raw = b"".join(chunks)
         if len(raw) > PARSE_IN_THREAD_BYTES:
@@ -234,7 +234,7 @@ class OpenAIIngress:
     async def handle_generation(self, request: Request, model_cls, endpoint: str, method: str, id_prefix: str):
         self._ensure_monitor()
         if self.draining:
-            return self.refuse("", endpoint, shutting_down("not accepting new requests"))
+            return self.refuse("", endpoint, refusals.shutting_down("not accepting new requests"))
         body = await self.read_request(request, model_cls)
         if isinstance(body, APIError):
             return self.refuse("", endpoint, body)
@@ -253,11 +253,11 @@ class OpenAIIngress:
         if not model.started:
             waited = await self.wait_started(model)
             if self.draining:
-                return self.refuse(body.model, endpoint, shutting_down("not accepting new requests"))
+                return self.refuse(body.model, endpoint, refusals.shutting_down("not accepting new requests"))
             if not model.started:
-                return self.refuse(body.model, endpoint, starting(model.name, waited))
+                return self.refuse(body.model, endpoint, refusals.starting(model.name, waited))
         if not model.available:
-            return self.refuse(body.model, endpoint, unavailable(model.reason))
+            return self.refuse(body.model, endpoint, refusals.unavailable(model.reason))
         return await self.generate(body, model, endpoint, method, id_prefix)
 
     async def wait_started(self, model: ServedModel) -> float:
@@ -297,7 +297,7 @@ class OpenAIIngress:
                 _cancel(gen)
                 nxt.cancel()
         if not nxt.done() or nxt.cancelled():
-            return unavailable(model.reason or "no running replica")
+            return refusals.unavailable(model.reason or "no running replica")
         try:
             item = nxt.result()
         except StopAsyncIteration:
@@ -313,14 +313,14 @@ class OpenAIIngress:
         import ray.exceptions
 
         if isinstance(e, BackPressureError):
-            return overloaded(e)
+            return refusals.overloaded(e)
         if isinstance(e, TimeoutError):  # the drain deadline passed
-            return shutting_down("the request did not finish within the drain timeout")
+            return refusals.shutting_down("the request did not finish within the drain timeout")
         if isinstance(e, (DeploymentUnavailableError, ray.exceptions.RayActorError,
                           ray.exceptions.ActorUnavailableError, RequestCancelledError,
                           ray.exceptions.TaskCancelledError)):
             self._probe_now.set()  # find out now whether any replica is left
-            return unavailable(type(e).__name__)
+            return refusals.unavailable(type(e).__name__)
         logger.exception("tr_serve: request to the model server failed")
         return APIError(500, f"internal error: {type(e).__name__}", "server_error")
 
@@ -431,13 +431,13 @@ def build_fastapi_app(ingress: OpenAIIngress) -> FastAPI:
         """200 when the app can serve: not draining and some model has a live replica."""
         await probed()
         if ingress.draining:
-            return error_response(shutting_down("draining"))
+            return error_response(refusals.shutting_down("draining"))
         starting = sorted(n for n, m in ingress.models.items() if not m.started)
         down = sorted(n for n, m in ingress.models.items() if not m.available)
         if down and len(down) == len(ingress.models):
             if starting == down:
-                return error_response(starting(", ".join(starting), 0.0))
-            return error_response(unavailable(f"no live replica of {down}"))
+                return error_response(refusals.starting(", ".join(starting), 0.0))
+            return error_response(refusals.unavailable(f"no live replica of {down}"))
         return {"status": "ok"}
 
     @app.get("/v1/models")
@@ -457,7 +457,7 @@ def build_fastapi_app(ingress: OpenAIIngress) -> FastAPI:
         await probed()
         model = ingress.models.get(model_id)
         if model is not None and not model.started:
-            return error_response(starting(model_id, 0.0))
+            return error_response(refusals.starting(model_id, 0.0))
         return card
 
     @app.post("/v1/completions")
