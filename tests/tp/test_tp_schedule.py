@@ -61,7 +61,9 @@ def test_unschedulable_replica_gets_a_fast_503(two_cpu_serve):
     from tr_serve.serve.builder import build_app
 
     _, base = two_cpu_serve
-    args = shipped_args() | {"placement_group_bundles": [{"CPU": 1}] * 4, "ray_actor_options": {"num_cpus": 1}}
+    # startup_wait_s 0: a model whose first replica never started is refused at once (else after that wait)
+    args = shipped_args() | {"placement_group_bundles": [{"CPU": 1}] * 4, "ray_actor_options": {"num_cpus": 1},
+                             "startup_wait_s": 0}
     # serve.run would wait for the app to be RUNNING, which it never is: deploy without waiting
     serve._run(build_app(args), _blocking=False, name="unschedulable", route_prefix="/")
     url = base
@@ -73,7 +75,7 @@ def test_unschedulable_replica_gets_a_fast_503(two_cpu_serve):
             r = chat(url, timeout=UNAVAILABLE_BOUND_S * 6)
             elapsed = time.monotonic() - t0
             assert r.status_code == 503, r.text
-            assert r.json()["error"]["code"] == "unavailable"
+            assert r.json()["error"]["code"] == "model_loading"  # its first replica has not started
             assert r.headers.get("retry-after")
             assert elapsed < UNAVAILABLE_BOUND_S, elapsed
         print(f"\nunschedulable replica: 503 in {elapsed:.3f} s")
