@@ -158,12 +158,12 @@ def test_lossless_while_a_replicas_start_up_work_lands(bench_prompts, references
     with an empty matrix; the kernel plan's measurement, its swap and the prior's rows land in
     slices between steps, in the middle of requests; every output stays plain decoding's."""
     from tr_serve.model_loader import load_model
-    from tr_serve.runner import cpu_kernels, matrix_prior
+    from tr_serve.runner import kernel_autotune, matrix_prior
     from tr_serve.runner.startup_work import deferring
 
     monkeypatch.setenv("TR_SERVE_CACHE", str(tmp_path))  # no cached kernel plan
-    monkeypatch.setattr(cpu_kernels, "POINTS", (1, 2, 4, 8, 16, 32, 64))
-    monkeypatch.setattr(cpu_kernels, "MEASURE_SECONDS", 2.0)
+    monkeypatch.setattr(kernel_autotune, "POINTS", (1, 2, 4, 8, 16, 32, 64))
+    monkeypatch.setattr(kernel_autotune, "MEASURE_SECONDS", 2.0)
     monkeypatch.setattr(matrix_prior, "packaged", lambda *a, **k: None)  # the prior computed in slices too
     fresh = load_model("smollm2-135m-instruct")  # its own copy: the plan is installed on the model
     with deferring() as work:

@@ -66,21 +66,21 @@ def test_a_changed_native_kernel_keys_a_new_table_and_plan(tokenizer, monkeypatc
     a kernel whose source changed (the panel GEMM's grouping, say) is timed again, not priced with
     the old figures."""
     from tests.tiny_model import tiny_loaded
-    from tr_serve.runner import cpu_kernels, layer_driver, panel_gemm, tree_attention
+    from tr_serve.runner import cpu_kernels, kernel_autotune, layer_driver, panel_gemm, tree_attention
 
     model = tiny_loaded(tokenizer).model
     runner = ModelRunner(model, 1, 64)
     calls = cpu_kernels.kernel_calls(model)
-    table, plan = calibration.calibration_key("m", runner), cpu_kernels.plan_key(calls)
+    table, plan = calibration.calibration_key("m", runner), kernel_autotune.plan_key(calls)
     assert calibration.calibration_key("m", runner) == table  # stable
     monkeypatch.setattr(tree_attention.KERNEL, "source", tree_attention.KERNEL.source + "\n")
-    assert calibration.calibration_key("m", runner) != table and cpu_kernels.plan_key(calls) == plan
+    assert calibration.calibration_key("m", runner) != table and kernel_autotune.plan_key(calls) == plan
     monkeypatch.undo()
     monkeypatch.setattr(panel_gemm.KERNEL, "source", panel_gemm.KERNEL.source + "\n")
-    assert calibration.calibration_key("m", runner) != table and cpu_kernels.plan_key(calls) != plan
+    assert calibration.calibration_key("m", runner) != table and kernel_autotune.plan_key(calls) != plan
     monkeypatch.undo()
     monkeypatch.setattr(layer_driver.KERNEL, "source", layer_driver.KERNEL.source + "\n")  # the layers' C loop
-    assert calibration.calibration_key("m", runner) != table and cpu_kernels.plan_key(calls) == plan
+    assert calibration.calibration_key("m", runner) != table and kernel_autotune.plan_key(calls) == plan
     monkeypatch.undo()
     monkeypatch.setattr(layer_driver.KERNEL, "tried", True)
     monkeypatch.setattr(layer_driver.KERNEL, "lib", None)  # no driver on this machine: the Python loop's table

@@ -13,6 +13,8 @@ from torch import nn
 import torch.nn.functional as F
 
 from tr_serve.runner import cpu_kernels as ck
+from tr_serve.runner import kernel_autotune as ka
+from tr_serve.runner import kernel_timing as kt
 from tr_serve.runner import panel_gemm
 from tr_serve.runner.model_runner import ModelRunner
 from tests.kernel_testutil import kernel_missing
@@ -32,8 +34,8 @@ def test_every_kernel_matches_f_linear(kernel, bias, n):
     lin = _linear(96, 40, bias)
     model = nn.Sequential(lin)
     [m] = ck.kernel_linears(model)
-    ck._pack([m])
-    ck._pack([m], "panel")
+    ck.pack([m])
+    ck.pack([m], "panel")
     x = torch.randn(1, n, 40)
     got = ck.run_kernel(m, x, kernel)
     want = F.linear(x, lin.weight, lin.bias)
@@ -78,16 +80,16 @@ def test_kernel_linears_is_idempotent_and_skips_other_dtypes():
 def test_select_plan_measures_once_then_loads_from_disk(tmp_path, monkeypatch):
     monkeypatch.setenv("TR_SERVE_CACHE", str(tmp_path))
     measured = []
-    real = ck.measure_plan
-    monkeypatch.setattr(ck, "measure_plan", lambda linears: measured.append(1) or real(linears, points=(1, 2, 3)))
-    plan = ck.select_plan(nn.Sequential(_linear(16, 8, False), _linear(8, 16, True)))
+    real = ka.measure_plan
+    monkeypatch.setattr(ka, "measure_plan", lambda linears: measured.append(1) or real(linears, points=(1, 2, 3)))
+    plan = ka.select_plan(nn.Sequential(_linear(16, 8, False), _linear(8, 16, True)))
     assert measured == [1] and plan.points == (1, 2, 3) and set(plan.kernels) <= set(ck.KERNELS)
     [cached] = (tmp_path / "kernels").glob("*.json")
     assert json.loads(cached.read_text())["kernels"] == list(plan.kernels)
-    again = ck.select_plan(nn.Sequential(_linear(16, 8, False, seed=1), _linear(8, 16, True, seed=1)))
+    again = ka.select_plan(nn.Sequential(_linear(16, 8, False, seed=1), _linear(8, 16, True, seed=1)))
     assert measured == [1] and again == plan  # same shapes, same CPU and threads: no second measurement
     cached.write_text("{not json")
-    ck.select_plan(nn.Sequential(_linear(16, 8, False), _linear(8, 16, True)))
+    ka.select_plan(nn.Sequential(_linear(16, 8, False), _linear(8, 16, True)))
     assert measured == [1, 1]  # an unreadable cache is measured again, not trusted
 
 
@@ -99,14 +101,14 @@ def test_a_plan_another_process_is_measuring_is_waited_for_and_read(tmp_path, mo
     from tr_serve.disk_cache import exclusive
 
     monkeypatch.setenv("TR_SERVE_CACHE", str(tmp_path))
-    real = ck.measure_plan
-    monkeypatch.setattr(ck, "measure_plan", lambda linears: real(linears, points=(1, 2, 3)))
-    plan = ck.select_plan(nn.Sequential(_linear(16, 8, False), _linear(8, 16, True)))
+    real = ka.measure_plan
+    monkeypatch.setattr(ka, "measure_plan", lambda linears: real(linears, points=(1, 2, 3)))
+    plan = ka.select_plan(nn.Sequential(_linear(16, 8, False), _linear(8, 16, True)))
     [cached] = (tmp_path / "kernels").glob("*.json")
     text = cached.read_text()
     cached.unlink()
     measured = []
-    monkeypatch.setattr(ck, "measure_plan", lambda linears: measured.append(1) or real(linears, points=(1, 2, 3)))
+    monkeypatch.setattr(ka, "measure_plan", lambda linears: measured.append(1) or real(linears, points=(1, 2, 3)))
     holding = threading.Event()
 
     def other_process_measuring():  # a second open file: flock locks it apart, as in another process
@@ -118,7 +120,7 @@ def test_a_plan_another_process_is_measuring_is_waited_for_and_read(tmp_path, mo
     other = threading.Thread(target=other_process_measuring)
     other.start()
     holding.wait()
-    got = ck.select_plan(nn.Sequential(_linear(16, 8, False), _linear(8, 16, True)))
+    got = ka.select_plan(nn.Sequential(_linear(16, 8, False), _linear(8, 16, True)))
     other.join()
     assert measured == [] and got == plan
 
@@ -141,8 +143,8 @@ def test_runner_logits_match_torch_kernels(tokenizer):
     panel = ck.KernelPlan(points=(64,), kernels=("panel",))
     ck.kernel_linears(model)
     ck.fuse_siblings(model)
-    ck._pack(ck.kernel_calls(model))
-    ck._pack(ck.kernel_calls(model), "panel")
+    ck.pack(ck.kernel_calls(model))
+    ck.pack(ck.kernel_calls(model), "panel")
     prompt = [[5, 17, 99, 3, 250, 8]]
     tokens = torch.tensor([[7, 9, 11, 13]])
     depths = torch.tensor([0, 1, 1, 2])
@@ -183,13 +185,13 @@ NOISY = {1: {"torch": 0.047, "mkl_nt": 0.020, "onednn": 0.029},
 
 
 def test_suspect_points_flag_counts_slower_than_a_larger_count():
-    assert ck.suspect_points(NOISY) == [2, 3]
+    assert kt.suspect_points(NOISY) == [2, 3]
     calm = {n: {k: t * n for k, t in ts.items()} for n, ts in {1: {"a": 1.0}, 2: {"a": 1.0}}.items()}
-    assert ck.suspect_points(calm) == []
+    assert kt.suspect_points(calm) == []
 
 
 def test_plan_pads_a_count_up_to_a_faster_larger_count():
-    plan = ck.plan_from_seconds(NOISY)
+    plan = ka.plan_from_seconds(NOISY)
     assert plan.points == (1, 2, 3, 4, 8)
     assert plan.kernels == ("mkl_nt", "onednn", "onednn", "onednn", "onednn")
     assert plan.rows == (1, 4, 4, 4, 8)
@@ -197,7 +199,7 @@ def test_plan_pads_a_count_up_to_a_faster_larger_count():
         ("mkl_nt", 1), ("onednn", 4), ("onednn", 4), ("onednn", 4), ("onednn", 5), ("torch", 9)]
     # within PAD_GAIN of a larger count: no padding, the count's own fastest kernel
     close = {1: {"mkl_nt": 0.020}, 2: {"mkl_nt": 0.021, "onednn": 0.030}, 4: {"onednn": 0.0205}}
-    assert ck.plan_from_seconds(close) == ck.KernelPlan((1, 2, 4), ("mkl_nt", "mkl_nt", "onednn"))
+    assert ka.plan_from_seconds(close) == ck.KernelPlan((1, 2, 4), ("mkl_nt", "mkl_nt", "onednn"))
 
 
 def test_plan_credits_the_panel_gemm_with_the_c_loop_where_that_takes_the_step():
@@ -206,29 +208,29 @@ def test_plan_credits_the_panel_gemm_with_the_c_loop_where_that_takes_the_step()
     1 and 2 tokens on linears 2% faster, and its one-token forwards took 26 ms against 19 with the
     panel GEMM. Up to C_LOOP_TOKENS the panel GEMM wins unless another kernel is more than
     1 - C_LOOP_CREDIT faster; above it, and on a padded call, it gets no credit."""
-    assert ck.C_LOOP_TOKENS == 64
+    assert ka.C_LOOP_TOKENS == 64
     seconds = {1: {"mkl_nt": 19.45, "panel": 19.82},
                2: {"mkl_nt": 19.17, "panel": 19.32},
                4: {"mkl_nt": 17.0, "panel": 21.0},  # mkl_nt over 15% faster: it keeps the count
                64: {"torch": 90.0, "panel": 95.0},
                96: {"torch": 139.0, "panel": 141.0}}
-    plan = ck.plan_from_seconds(seconds)
+    plan = ka.plan_from_seconds(seconds)
     assert plan.kernels == ("panel", "panel", "mkl_nt", "panel", "torch")
-    assert ck.plan_from_seconds({1: {"mkl_nt": 19.45, "panel": 19.82}}).kernels == ("panel",)
+    assert ka.plan_from_seconds({1: {"mkl_nt": 19.45, "panel": 19.82}}).kernels == ("panel",)
     # padding to a larger count: the padded call gets no C loop, so it must beat the credited time
     padded = {1: {"panel": 30.0}, 2: {"mkl_nt": 24.0}}
-    assert ck.plan_from_seconds(padded).choice(1) == ("mkl_nt", 2)  # 24 < 0.95 * 25.5
+    assert ka.plan_from_seconds(padded).choice(1) == ("mkl_nt", 2)  # 24 < 0.95 * 25.5
     padded[2]["mkl_nt"] = 25.0  # 25 > 0.95 * 25.5: the count keeps its own panel GEMM and the C loop
-    assert ck.plan_from_seconds(padded).choice(1) == ("panel", 1)
+    assert ka.plan_from_seconds(padded).choice(1) == ("panel", 1)
     # where the C loop is not available, no credit: the faster linears win
-    assert ck.plan_from_seconds({1: {"mkl_nt": 19.45, "panel": 19.82}}, credit=1.0).kernels == ("mkl_nt",)
+    assert ka.plan_from_seconds({1: {"mkl_nt": 19.45, "panel": 19.82}}, credit=1.0).kernels == ("mkl_nt",)
 
 
 def test_the_c_loop_credit_applies_only_where_the_c_loop_is_available(monkeypatch):
-    monkeypatch.setattr(ck.layer_driver, "available", lambda: False)
-    assert ck.c_loop_credit() == 1.0
-    monkeypatch.setattr(ck.layer_driver, "available", lambda: True)
-    assert ck.c_loop_credit() == ck.C_LOOP_CREDIT < 1.0
+    monkeypatch.setattr(ka.layer_driver, "available", lambda: False)
+    assert ka.c_loop_credit() == 1.0
+    monkeypatch.setattr(ka.layer_driver, "available", lambda: True)
+    assert ka.c_loop_credit() == ka.C_LOOP_CREDIT < 1.0
 
 
 def test_plan_keeps_one_prepacked_copy_of_the_weights():
@@ -239,13 +241,13 @@ def test_plan_keeps_one_prepacked_copy_of_the_weights():
                2: {"mkl_nt": 20.5, "onednn": 20.0, "panel": 25.0},
                4: {"mkl_nt": 26.0, "onednn": 24.0, "panel": 20.5},
                8: {"mkl_nt": 43.0, "onednn": 28.0, "panel": 21.5}}
-    plan = ck.plan_from_seconds(seconds)
+    plan = ka.plan_from_seconds(seconds)
     assert plan == ck.KernelPlan((1, 2, 4, 8), ("mkl_nt", "mkl_nt", "panel", "panel"))
     # where dropping the panel GEMM costs least (its times with the C loop's credit just below
     # oneDNN's), oneDNN stays
     seconds[4]["panel"], seconds[8]["panel"] = 28.0, 32.8
-    assert ck.plan_from_seconds(seconds).kernels == ("mkl_nt", "onednn", "onednn", "onednn")
-    assert ck._fastest_plan(seconds)[0].kernels == ("mkl_nt", "onednn", "panel", "panel")
+    assert ka.plan_from_seconds(seconds).kernels == ("mkl_nt", "onednn", "onednn", "onednn")
+    assert ka._fastest_plan(seconds)[0].kernels == ("mkl_nt", "onednn", "panel", "panel")
 
 
 def test_plan_validation():
@@ -273,13 +275,13 @@ def test_measure_plan_interleaves_and_outlasts_one_noisy_sample(monkeypatch):
         spike = 50.0 if (n, kernel) == (2, "onednn") and log.count((2, "onednn")) == 2 else 0.0  # 1st timed
         return true[n][kernel] + spike
 
-    monkeypatch.setattr(ck, "_time_pass", fake_pass)
+    monkeypatch.setattr(kt, "time_pass", fake_pass)
     monkeypatch.setattr(ck, "available_kernels", lambda: ["torch", "mkl_nt", "onednn"])
     model = nn.Sequential(_linear(16, 8, False), _linear(8, 16, False))
     calls = ck.kernel_calls(model)
-    monkeypatch.setattr(ck, "_cpu_stall", lambda: None)  # no pressure information: every sample counts
-    monkeypatch.setattr(ck, "_cpu_busy", lambda: None)
-    plan, seconds, info = ck.measure_plan(calls, points=(1, 2, 3, 4, 8), rounds=4)
+    monkeypatch.setattr(kt, "_cpu_stall", lambda: None)  # no pressure information: every sample counts
+    monkeypatch.setattr(kt, "cpu_busy", lambda: None)
+    plan, seconds, info = ka.measure_plan(calls, points=(1, 2, 3, 4, 8), rounds=4)
     assert info["disturbed"] == 0 and info["samples"] == len(log) - 15
     assert plan.kernel_for(2) == "onednn" and seconds[2]["onednn"] == 2.2
     assert plan.choice(3) == ("onednn", 4)  # slower than 4 rows every time: padded to 4
@@ -320,22 +322,22 @@ def test_measure_plan_chooses_the_panel_gemms_settings_per_count(monkeypatch, sp
             t += 0.010
         return t
 
-    monkeypatch.setattr(ck.panel_gemm, "set_wide_narrow", fake_wide)
-    monkeypatch.setattr(ck.panel_gemm, "set_prefetch_l2", fake_l2)
-    monkeypatch.setattr(ck, "_time_pass", fake_pass)
+    monkeypatch.setattr(ka.panel_gemm, "set_wide_narrow", fake_wide)
+    monkeypatch.setattr(ka.panel_gemm, "set_prefetch_l2", fake_l2)
+    monkeypatch.setattr(kt, "time_pass", fake_pass)
     monkeypatch.setattr(ck, "available_kernels", lambda: ["torch", "mkl_nt", "panel"])
-    monkeypatch.setattr(ck, "_pack", lambda calls, kernel: None)
-    monkeypatch.setattr(ck, "_cpu_stall", lambda: None)
-    monkeypatch.setattr(ck, "_cpu_busy", lambda: None)
+    monkeypatch.setattr(ck, "pack", lambda calls, kernel: None)
+    monkeypatch.setattr(kt, "_cpu_stall", lambda: None)
+    monkeypatch.setattr(kt, "cpu_busy", lambda: None)
     calls = ck.kernel_calls(nn.Sequential(_linear(16, 8, False), _linear(8, 16, False)))
-    plan, seconds, _ = ck.measure_plan(calls, points=(1, 8, 16, 96), rounds=3)
+    plan, seconds, _ = ka.measure_plan(calls, points=(1, 8, 16, 96), rounds=3)
     assert plan.panel_wide_narrow is (not split_faster)
     assert plan.panel_prefetch_l2 == (True, True, False, False)
     assert seconds[1]["panel"] == pytest.approx(0.016) and seconds[8]["panel"] == pytest.approx(0.023)
     assert seconds[16]["panel"] == pytest.approx(0.036) and seconds[96]["panel"] == pytest.approx(0.116)
     assert frozenset({96}) not in state["log"]  # past the library's table: L1 always
     assert state["narrow"] is True and state["l2"] == frozenset()  # left on the defaults
-    assert ck.plan_from_seconds(seconds) == dataclasses.replace(plan, panel_wide_narrow=True, panel_prefetch_l2=None)
+    assert ka.plan_from_seconds(seconds) == dataclasses.replace(plan, panel_wide_narrow=True, panel_prefetch_l2=None)
     assert plan.prefetch_l2_rows == frozenset(range(1, 9))  # the buckets of 1 and 8 rows
     with plan.active():
         assert state["narrow"] is (not split_faster) and state["l2"] == frozenset(range(1, 9))
@@ -365,12 +367,12 @@ def test_measure_plan_times_again_what_only_a_busy_machine_saw(monkeypatch):
                 return 10 * t
         return t
 
-    monkeypatch.setattr(ck, "_time_pass", fake_pass)
-    monkeypatch.setattr(ck, "_cpu_stall", lambda: state["stall"])
-    monkeypatch.setattr(ck, "_cpu_busy", lambda: 0.0)
+    monkeypatch.setattr(kt, "time_pass", fake_pass)
+    monkeypatch.setattr(kt, "_cpu_stall", lambda: state["stall"])
+    monkeypatch.setattr(kt, "cpu_busy", lambda: 0.0)
     monkeypatch.setattr(ck, "available_kernels", lambda: ["torch", "mkl_nt", "onednn"])
     model = nn.Sequential(_linear(16, 8, False), _linear(8, 16, False))
-    plan, seconds, info = ck.measure_plan(ck.kernel_calls(model), points=(1, 2, 4), rounds=4)
+    plan, seconds, info = ka.measure_plan(ck.kernel_calls(model), points=(1, 2, 4), rounds=4)
     assert state["onednn2"] == 6  # warm-up, the 4 disturbed rounds, then one clean retry
     assert info["disturbed"] == 4 and seconds[2]["onednn"] == 2.2
     assert plan.kernel_for(2) == "onednn"
@@ -379,14 +381,14 @@ def test_measure_plan_times_again_what_only_a_busy_machine_saw(monkeypatch):
 def test_measurement_stops_adding_rounds_after_its_time_budget(monkeypatch):
     """With no time left after the first round, every (count, kernel) is timed once, no more."""
     true = {"torch": 3.0, "mkl_nt": 1.0, "onednn": 2.0}
-    monkeypatch.setattr(ck, "_time_pass", lambda calls, inputs, kernel, clock=None:
+    monkeypatch.setattr(kt, "time_pass", lambda calls, inputs, kernel, clock=None:
                         true[kernel] * next(iter(inputs.values())).shape[0])
-    monkeypatch.setattr(ck, "_cpu_stall", lambda: 0.0)
-    monkeypatch.setattr(ck, "_cpu_busy", lambda: 0.0)
+    monkeypatch.setattr(kt, "_cpu_stall", lambda: 0.0)
+    monkeypatch.setattr(kt, "cpu_busy", lambda: 0.0)
     monkeypatch.setattr(ck, "available_kernels", lambda: ["torch", "mkl_nt", "onednn"])
-    monkeypatch.setattr(ck, "MEASURE_SECONDS", 0.0)
+    monkeypatch.setattr(ka, "MEASURE_SECONDS", 0.0)
     model = nn.Sequential(_linear(16, 8, False), _linear(8, 16, False))
-    plan, seconds, info = ck.measure_plan(ck.kernel_calls(model), points=(1, 2, 4), rounds=5)
+    plan, seconds, info = ka.measure_plan(ck.kernel_calls(model), points=(1, 2, 4), rounds=5)
     assert info["samples"] == 9 and info["disturbed"] == 0 and not info["provisional"]
     assert plan.kernels == ("mkl_nt", "mkl_nt", "mkl_nt")
 
@@ -409,13 +411,13 @@ def test_busy_machine_ranks_kernels_on_one_thread_by_cpu_time(monkeypatch, how):
         state["threads"].append(torch.get_num_threads())
         return true[kernel] * n
 
-    monkeypatch.setattr(ck, "_time_pass", fake_pass)
-    monkeypatch.setattr(ck, "_cpu_stall", lambda: state["stall"])
-    monkeypatch.setattr(ck, "_cpu_busy", lambda: 0.9 if how == "pressure before" else 0.0)
+    monkeypatch.setattr(kt, "time_pass", fake_pass)
+    monkeypatch.setattr(kt, "_cpu_stall", lambda: state["stall"])
+    monkeypatch.setattr(kt, "cpu_busy", lambda: 0.9 if how == "pressure before" else 0.0)
     monkeypatch.setattr(ck, "available_kernels", lambda: ["torch", "mkl_nt", "onednn"])
     threads = torch.get_num_threads()
     model = nn.Sequential(_linear(16, 8, False), _linear(8, 16, False))
-    plan, seconds, info = ck.measure_plan(ck.kernel_calls(model), points=(1, 2, 4), rounds=3)
+    plan, seconds, info = ka.measure_plan(ck.kernel_calls(model), points=(1, 2, 4), rounds=3)
     assert plan.kernels == ("mkl_nt", "mkl_nt", "mkl_nt") and seconds[4] == {"torch": 12.0, "mkl_nt": 4.0,
                                                                              "onednn": 8.0}
     assert info["provisional"] and info["clock"].startswith("one thread")
@@ -428,52 +430,52 @@ def test_busy_machine_ranks_kernels_on_one_thread_by_cpu_time(monkeypatch, how):
 def test_provisional_plan_is_measured_again_on_a_quiet_machine(tmp_path, monkeypatch):
     monkeypatch.setenv("TR_SERVE_CACHE", str(tmp_path))
     measured = []
-    real = ck.measure_plan
+    real = ka.measure_plan
 
     def measure(calls):
         plan, seconds, info = real(calls, points=(1, 2), rounds=1)
         measured.append(1)
         return plan, seconds, {**info, "provisional": len(measured) == 1}  # the first one ran on a busy machine
 
-    monkeypatch.setattr(ck, "measure_plan", measure)
+    monkeypatch.setattr(ka, "measure_plan", measure)
     shapes = lambda: nn.Sequential(_linear(16, 8, False), _linear(8, 16, True))  # noqa: E731
-    monkeypatch.setattr(ck, "_cpu_busy", lambda: 0.40)
-    ck.select_plan(shapes())
-    ck.select_plan(shapes())
+    monkeypatch.setattr(kt, "cpu_busy", lambda: 0.40)
+    ka.select_plan(shapes())
+    ka.select_plan(shapes())
     assert measured == [1]  # still busy: the provisional plan is used
-    monkeypatch.setattr(ck, "_cpu_busy", lambda: 0.01)
-    ck.select_plan(shapes())
+    monkeypatch.setattr(kt, "cpu_busy", lambda: 0.01)
+    ka.select_plan(shapes())
     assert measured == [1, 1]  # quiet now: measured again, no longer provisional
-    ck.select_plan(shapes())
+    ka.select_plan(shapes())
     assert measured == [1, 1]
 
 
 def test_cached_plan_must_follow_from_its_timings(tmp_path, monkeypatch):
     monkeypatch.setenv("TR_SERVE_CACHE", str(tmp_path))
-    good = ck.plan_from_seconds(NOISY)
-    data = {"version": ck.PLAN_VERSION, "points": good.points, "kernels": good.kernels, "rows": good.rows,
+    good = ka.plan_from_seconds(NOISY)
+    data = {"version": ka.PLAN_VERSION, "points": good.points, "kernels": good.kernels, "rows": good.rows,
             "panel_wide_narrow": True, "panel_prefetch_l2": None, "seconds": {str(n): t for n, t in NOISY.items()}}
-    assert ck._parse_plan(json.loads(json.dumps(data))) == (good, False)
-    assert ck._parse_plan({**data, "measurement": {"provisional": True}}) == (good, True)
+    assert ka._parse_plan(json.loads(json.dumps(data))) == (good, False)
+    assert ka._parse_plan({**data, "measurement": {"provisional": True}}) == (good, True)
     l2 = [True, False, True, False, False]
-    tuned = ck._parse_plan(json.loads(json.dumps({**data, "panel_wide_narrow": False, "panel_prefetch_l2": l2})))[0]
+    tuned = ka._parse_plan(json.loads(json.dumps({**data, "panel_wide_narrow": False, "panel_prefetch_l2": l2})))[0]
     assert tuned == dataclasses.replace(good, panel_wide_narrow=False, panel_prefetch_l2=tuple(l2)) and tuned != good
     for key in ("panel_wide_narrow", "panel_prefetch_l2"):  # a plan that does not say how the panel GEMM runs
         with pytest.raises(KeyError):
-            ck._parse_plan({k: v for k, v in data.items() if k != key})
+            ka._parse_plan({k: v for k, v in data.items() if k != key})
     with pytest.raises(ValueError):  # one prefetch setting per point
-        ck._parse_plan({**data, "panel_prefetch_l2": [True]})
+        ka._parse_plan({**data, "panel_prefetch_l2": [True]})
     for bad in ({**data, "version": 1}, {k: v for k, v in data.items() if k != "version"},
                 {**data, "kernels": ["mkl_nt", "torch", "onednn", "onednn", "onednn"], "rows": None}):
         with pytest.raises(ValueError):
-            ck._parse_plan(json.loads(json.dumps(bad)))
+            ka._parse_plan(json.loads(json.dumps(bad)))
 
 
 def test_padded_rows_give_the_unpadded_result():
     lin = _linear(24, 16, True)
     model = nn.Sequential(lin)
     [m] = ck.kernel_linears(model)
-    ck._pack([m])
+    ck.pack([m])
     x = torch.randn(1, 3, 16)
     for kernel in ("mkl_nt", "onednn", "torch"):
         plan = ck.KernelPlan((4,), (kernel,), rows=(8,))
@@ -509,7 +511,7 @@ def test_fused_siblings_match_separate_linears(kernel):
     assert len(ck.kernel_calls(block)) == 3  # qkv, gate+up, down
     assert all(torch.equal(a, b) for a, b in zip(weights, block.parameters()))  # same values, now views
     assert torch.equal(block(x), want)  # outside a plan: torch's kernels on the same weights
-    ck._pack(ck.kernel_calls(block))
+    ck.pack(ck.kernel_calls(block))
     with ck.KernelPlan((8,), (kernel,)).active():
         got = block(x)
         assert not ck._stash()  # every member took its output

@@ -23,7 +23,7 @@ def _panel_llama(fuse: bool = True):
     ck.kernel_linears(model)
     if fuse:
         ck.fuse_siblings(model)
-    ck._pack(ck.kernel_calls(model), "panel")
+    ck.pack(ck.kernel_calls(model), "panel")
     return model
 
 
@@ -150,10 +150,10 @@ def test_weights_packed_again_are_prepared_again(monkeypatch):
     runner.verify(*step)
     assert len(prepared) == 1  # once per cache
     calls = ck.kernel_calls(model)
-    ck._unpack(calls, "panel")
+    ck.unpack(calls, "panel")
     for m in calls:  # new weights, packed again: the driver must address the new panels
         m.weight.mul_(0.5)
-    ck._pack(calls, "panel")
+    ck.pack(calls, "panel")
     changed = runner.verify(*step)
     assert len(prepared) == 2 and not torch.equal(changed, first)
     monkeypatch.setattr(layer_driver, "applies", lambda plan, tokens: False)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from tr_serve.runner import llama_body
-from tr_serve.runner.cpu_kernels import KernelPlan, _pack, fuse_siblings, kernel_calls, kernel_linears
+from tr_serve.runner.cpu_kernels import KernelPlan, fuse_siblings, kernel_calls, kernel_linears, pack
 from tr_serve.runner.model_runner import ModelRunner, build_step_mask
 
 
@@ -36,7 +36,7 @@ def test_body_matches_transformers_bit_for_bit(tokenizer, monkeypatch):
         if plan is not None:
             kernel_linears(model)
             fuse_siblings(model)
-            _pack(kernel_calls(model))
+            pack(kernel_calls(model))
         want = _run(model, plan, True, monkeypatch)
         got = _run(model, plan, False, monkeypatch)
         assert len(got) == len(want) == 5

@@ -13,7 +13,7 @@ import torch
 from tests.tiny_model import tiny_loaded
 from tr_serve.engine.config import EngineConfig
 from tr_serve.engine.engine import Engine
-from tr_serve.runner import calibration, cpu_kernels, matrix_prior
+from tr_serve.runner import calibration, cpu_kernels, kernel_autotune, kernel_sample, kernel_timing, matrix_prior
 from tr_serve.runner.startup_work import StartupWork, current, deferring
 from tr_serve.sampling_params import SamplingParams
 from tr_serve.tr.matrix import EMPTY
@@ -49,7 +49,7 @@ def _generate(engine: Engine, prompt: list[int], tokens: int, between=None) -> l
 @pytest.fixture
 def fresh_cache(tmp_path, monkeypatch):
     monkeypatch.setenv("TR_SERVE_CACHE", str(tmp_path))
-    monkeypatch.setattr(cpu_kernels, "POINTS", (1, 2, 4, 8))  # a short measurement: the tiny model's plan
+    monkeypatch.setattr(kernel_autotune, "POINTS", (1, 2, 4, 8))  # a short measurement: the tiny model's plan
     return tmp_path
 
 
@@ -70,7 +70,7 @@ def test_a_deferred_engine_is_ready_at_once_then_measures_and_seeds_between_step
     config = EngineConfig(model="tiny", tree=tree, max_num_seqs=2, max_model_len=128)
     want = _generate(_plain(tokenizer), PROMPT, 24)
     with monkeypatch.context() as m:
-        m.setattr(cpu_kernels, "measure_plan", _fail("the kernel plan's measurement"))
+        m.setattr(kernel_autotune, "measure_plan", _fail("the kernel plan's measurement"))
         m.setattr(matrix_prior, "first_token_top_k", _fail("the matrix prior"))
         m.setattr(calibration, "measure", _fail("the full latency calibration"))
         with deferring() as work:
@@ -96,9 +96,9 @@ def test_a_deferred_engine_is_ready_at_once_then_measures_and_seeds_between_step
     assert len(slices) > 2 and work.failed == [] and sorted(work.done) == sorted(["kernel plan", *full_table, "matrix prior"])
     plan = engine.runner.kernel_plan
     assert plan is not None and plan.points == (1, 2, 4, 8)
-    assert cpu_kernels.select_plan(loaded.model) is plan  # installed where select_plan finds it
+    assert kernel_autotune.select_plan(loaded.model) is plan  # installed where select_plan finds it
     [cached] = (fresh_cache / "kernels").glob("*.json")
-    assert cpu_kernels._parse_plan(json.loads(cached.read_text()))[0] == plan
+    assert kernel_autotune._parse_plan(json.loads(cached.read_text()))[0] == plan
     # the prior reached every row, and is cached as an eagerly computed one is
     assert (engine.matrix.table[:, 0] != EMPTY).all() and prior_job.filled == 512
     monkeypatch.setattr(matrix_prior, "first_token_top_k", _fail("the matrix prior"))
@@ -188,14 +188,14 @@ def _stacked_calls(layers: int = 6):
 def test_the_sample_stands_for_every_block_and_keeps_the_head(monkeypatch):
     model, calls = _stacked_calls(6)
     block = 2 * 64 * 256 * 4
-    monkeypatch.setattr(cpu_kernels, "STREAM_BYTES", 2 * block)  # two blocks' weights
-    sample = cpu_kernels.measurement_sample(calls)
+    monkeypatch.setattr(kernel_sample, "STREAM_BYTES", 2 * block)  # two blocks' weights
+    sample = kernel_sample.measurement_sample(calls)
     assert [(c.layer, w) for c, w in sample] == [(0, 3.0), (0, 3.0), (1, 3.0), (1, 3.0), (None, 1.0)]
     # blocks of different shapes: every call, weight 1
     model.layers[5].up = torch.nn.Linear(64, 128, bias=False)
     model.layers[5].down = torch.nn.Linear(128, 64, bias=False)
     calls = cpu_kernels.kernel_calls(model)
-    assert [w for _, w in cpu_kernels.measurement_sample(calls)] == [1.0] * len(calls)
+    assert [w for _, w in kernel_sample.measurement_sample(calls)] == [1.0] * len(calls)
 
 
 def test_the_measurement_packs_at_most_one_copy_of_the_largest_weight(monkeypatch):
@@ -203,18 +203,18 @@ def test_the_measurement_packs_at_most_one_copy_of_the_largest_weight(monkeypatc
     bytes; every prepacked kernel is still timed at every count, and the seconds stand for the
     whole forward (the sampled blocks weighted by the blocks they stand for)."""
     model, calls = _stacked_calls(6)
-    monkeypatch.setattr(cpu_kernels, "PACK_FLOOR_BYTES", 0)
-    monkeypatch.setattr(cpu_kernels, "STREAM_BYTES", 1)  # the first block stands for all six
+    monkeypatch.setattr(kernel_sample, "PACK_FLOOR_BYTES", 0)
+    monkeypatch.setattr(kernel_sample, "STREAM_BYTES", 1)  # the first block stands for all six
     monkeypatch.setattr(cpu_kernels, "available_kernels", lambda: ["torch", "mkl_nt", "onednn", "panel"])
-    monkeypatch.setattr(cpu_kernels, "_cpu_stall", lambda: None)
-    monkeypatch.setattr(cpu_kernels, "_cpu_busy", lambda: None)
-    monkeypatch.setattr(cpu_kernels.panel_gemm, "set_wide_narrow", lambda on: None)
-    monkeypatch.setattr(cpu_kernels.panel_gemm, "set_prefetch_l2", lambda rows: None)
+    monkeypatch.setattr(kernel_timing, "_cpu_stall", lambda: None)
+    monkeypatch.setattr(kernel_timing, "cpu_busy", lambda: None)
+    monkeypatch.setattr(kernel_autotune.panel_gemm, "set_wide_narrow", lambda on: None)
+    monkeypatch.setattr(kernel_autotune.panel_gemm, "set_prefetch_l2", lambda rows: None)
     held, peak = {}, [0]
 
     def fake_pack(cs, kernel="onednn"):
         for c in cs:
-            held[id(c), kernel] = cpu_kernels._weight_bytes(c)
+            held[id(c), kernel] = kernel_sample.weight_bytes(c)
         peak[0] = max(peak[0], sum(held.values()))
 
     def fake_unpack(cs, kernel="onednn"):
@@ -229,11 +229,11 @@ def test_the_measurement_packs_at_most_one_copy_of_the_largest_weight(monkeypatc
                 assert (id(c), kernel) in held, "timed a prepacked kernel on a weight that is not packed"
         return cost[kernel] * sum(c.out_features * c.in_features for c in cs) * next(iter(inputs.values())).shape[0]
 
-    monkeypatch.setattr(cpu_kernels, "_pack", fake_pack)
-    monkeypatch.setattr(cpu_kernels, "_unpack", fake_unpack)
-    monkeypatch.setattr(cpu_kernels, "_time_pass", fake_pass)
-    largest = max(cpu_kernels._weight_bytes(c) for c in calls)
-    plan, seconds, info = cpu_kernels.measure_plan(calls, points=(1, 4), rounds=2)
+    monkeypatch.setattr(cpu_kernels, "pack", fake_pack)
+    monkeypatch.setattr(cpu_kernels, "unpack", fake_unpack)
+    monkeypatch.setattr(kernel_timing, "time_pass", fake_pass)
+    largest = max(kernel_sample.weight_bytes(c) for c in calls)
+    plan, seconds, info = kernel_autotune.measure_plan(calls, points=(1, 4), rounds=2)
     assert 0 < peak[0] <= largest and held == {}
     assert info["parts"] >= 2 and info["sampled_calls"] == 3 and info["calls"] == 13
     forward = 6 * 2 * 64 * 256 + 64 * 1024  # every block's two linears and the head
@@ -246,7 +246,7 @@ def test_the_measurement_packs_at_most_one_copy_of_the_largest_weight(monkeypatc
 def test_a_deferred_measurement_counts_only_its_slices(monkeypatch):
     """The time budget runs on a clock that stops between slices: a measurement resumed after a
     long pause still has its budget."""
-    clock = cpu_kernels._WorkClock()
+    clock = kernel_timing.WorkClock()
     assert clock.now() == 0.0
     clock.resume()
     t = clock.now()

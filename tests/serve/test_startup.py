@@ -169,7 +169,7 @@ def test_the_replica_is_ready_before_its_kernel_plan_and_prior_then_builds_them_
     its start-up task then measures and seeds between steps; the greedy text stays the same."""
     from tests.tiny_model import tiny_loaded
     from tr_serve import model_loader
-    from tr_serve.runner import calibration, cpu_kernels, matrix_prior
+    from tr_serve.runner import calibration, kernel_autotune, kernel_timing, matrix_prior
     from tr_serve.serve.protocol import CompletionRequest
     from tr_serve.serve.server import LLMServer
 
@@ -186,10 +186,10 @@ def test_the_replica_is_ready_before_its_kernel_plan_and_prior_then_builds_them_
         monkeypatch.setattr(module, name, guarded)
 
     monkeypatch.setenv("TR_SERVE_CACHE", str(tmp_path))
-    monkeypatch.setattr(cpu_kernels, "POINTS", (1, 2, 4))
+    monkeypatch.setattr(kernel_autotune, "POINTS", (1, 2, 4))
     monkeypatch.setattr(model_loader, "load_model", lambda *a, **k: tiny_loaded(tokenizer, seed=3))
-    guard(cpu_kernels, "measure_plan", "the kernel plan's measurement")
-    guard(cpu_kernels, "_time_pass", "the kernel plan's measurement")
+    guard(kernel_autotune, "measure_plan", "the kernel plan's measurement")
+    guard(kernel_timing, "time_pass", "the kernel plan's measurement")
     guard(matrix_prior, "first_token_top_k", "the matrix prior")
     guard(matrix_prior.PriorComputation, "advance", "the matrix prior")
     guard(calibration, "measure", "the full calibration")
@@ -237,7 +237,7 @@ def test_prepare_caches_what_a_starting_replica_then_finds(tokenizer, tmp_path, 
     from tr_serve import cli
     from tr_serve.engine.engine import Engine
     from tr_serve.model_loader import load_model
-    from tr_serve.runner import calibration, cpu_kernels
+    from tr_serve.runner import calibration, kernel_timing
     from tr_serve.runner.startup_work import deferring
     from tr_serve.serve.warm_cache import app_configs
 
@@ -254,7 +254,7 @@ def test_prepare_caches_what_a_starting_replica_then_finds(tokenizer, tmp_path, 
       engine_kwargs: {{max_num_seqs: 1, max_model_len: 256}}  # a full table fits in the rows
 """)
     monkeypatch.setenv("TR_SERVE_CACHE", str(tmp_path / "cache"))
-    monkeypatch.setattr(cpu_kernels, "_cpu_busy", lambda: None)  # a plan measured on a busy machine is not final
+    monkeypatch.setattr(kernel_timing, "cpu_busy", lambda: None)  # a plan measured on a busy machine is not final
     assert cli.main(["prepare", str(config)]) == 0
     for folder, pattern in (("kernels", "*.json"), ("calibration", "*.json"), ("matrix_prior", "*.pt")):
         assert len(list((tmp_path / "cache" / folder).glob(pattern))) == 1, folder

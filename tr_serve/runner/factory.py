@@ -7,7 +7,7 @@ import contextlib
 
 import torch
 
-from tr_serve.runner.cpu_kernels import select_plan
+from tr_serve.runner.kernel_autotune import select_plan
 from tr_serve.runner.model_runner import ModelRunner, rows_within_budget
 from tr_serve.runner.sync_audit import AUDIT_DEVICE, SyncAudit
 

@@ -144,7 +144,7 @@ _prefetch_l2: frozenset[int] = frozenset()
 def set_wide_narrow(on: bool) -> None:
     """Whether calls of 13-16 rows take the narrow row blocks (blocks of 4 rows over 6 panels, the
     default) or blocks of 8 over 3 panels. The sums and their order are the same either way; which
-    is faster depends on the CPU, so the kernel plan measures both (``cpu_kernels.measure_plan``)."""
+    is faster depends on the CPU, so the kernel plan measures both (``kernel_autotune.measure_plan``)."""
     global _wide_narrow
     if bool(on) == _wide_narrow:
         return  # a plan re-applying its setting at each of its forwards
