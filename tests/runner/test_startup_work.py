@@ -289,7 +289,7 @@ def test_the_full_latency_table_is_left_for_later_only_where_it_is_short(tokeniz
     """A provisional table that prices the full measurement over the limit registers nothing (the
     1B case: minutes); a cheap one registers the idle calibration."""
     from tr_serve.runner.calibration import measure_seconds
-    from tr_serve.tr.budget import LatencyTable
+    from tr_serve.tr.step_latency import LatencyTable
 
     slow = LatencyTable((1, 8), (0.6, 4.0))  # a 1B model's torch kernels on 2 busy cores
     fast = LatencyTable((1, 8), (0.02, 0.03))

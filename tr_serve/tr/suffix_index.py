@@ -6,7 +6,7 @@ prompts and outputs of many requests of a replica (finished ones, and running on
 and, for a row's text, finds the occurrences of its longest suffix in the other requests' text,
 then drafts the continuation most of them went on with, one token at a time, with how many
 occurrences reached each depth (``support``) and how many of those went on with the drafted token
-(``counts``): the per-depth confidence the cost-aware budget prices (tr/budget.py SuffixStats).
+(``counts``): the per-depth confidence the cost-aware budget prices (tr/acceptance_stats.py SuffixStats).
 This is SuffixDecoding's frequency-weighted suffix match, built for bounded memory and a CPU step.
 
 Structure. Each request is a *document*: its tokens in an ``array('i')``, growing while it runs.
