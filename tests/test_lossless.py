@@ -160,6 +160,7 @@ def test_lossless_while_a_replicas_start_up_work_lands(bench_prompts, references
     from tr_serve.model_loader import load_model
     from tr_serve.runner import kernel_autotune, matrix_prior
     from tr_serve.runner.startup_work import deferring
+    from tr_serve.tr.matrix import EMPTY
 
     monkeypatch.setenv("TR_SERVE_CACHE", str(tmp_path))  # no cached kernel plan
     monkeypatch.setattr(kernel_autotune, "POINTS", (1, 2, 4, 8, 16, 32, 64))
@@ -172,6 +173,7 @@ def test_lossless_while_a_replicas_start_up_work_lands(bench_prompts, references
     assert work.pending[0] == "kernel plan" and work.pending[-1] == "matrix prior"
     assert engine.runner.kernel_plan is None
     assert engine.matrix.num_filled_rows() == 0
+    prior = work.jobs[-1]  # its rows are computed from row 0 up: prior.filled of them so far
     plans, filled = [], []
     for (cat, qid, ids), want in list(zip(bench_prompts, references))[:NUM_COLD]:
         rid = engine.add_request(ids, SamplingParams(max_tokens=NEW_TOKENS))
@@ -186,4 +188,6 @@ def test_lossless_while_a_replicas_start_up_work_lands(bench_prompts, references
         check(out, want, f"auto while the start-up work lands, {cat} q{qid}")
     assert True in plans and False in plans, "the plan was not swapped in during the requests"
     assert work.done[:1] == ["kernel plan"] and not work.failed
-    assert filled[-1] > filled[0] and filled[-1] > 1000  # the prior's rows arrived meanwhile
+    # the prior's rows arrived meanwhile (how many depends on the machine's speed, not fixed here)
+    assert prior.filled > 0 and filled[-1] > filled[0]
+    assert bool((engine.matrix.table[: prior.filled, 0] != EMPTY).all())

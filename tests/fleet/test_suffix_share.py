@@ -255,11 +255,11 @@ def test_a_replica_drafting_from_the_fleets_documents_is_lossless_on_the_embedde
     assert run(sa.sync_once())["error"] is None
     r = run(sb.sync_once())
     assert r["error"] is None and r["imported"] == 2 and eb.suffix.num_documents() == 2
-    trials = eb.drafter.budget.suffix_stats.trials.sum()
+    trials = eb.speculator.drafter.budget.suffix_stats.trials.sum()
     again = [serve(eb, ids, NEW_TOKENS) for ids in prompts]
     for i, (out, ref) in enumerate(zip(again, want)):
         assert out.token_ids == ref, f"replica B, question {i}: its output differs from plain decoding"
-    assert eb.drafter.budget.suffix_stats.trials.sum() > trials  # B took the suffix index's branches
+    assert eb.speculator.drafter.budget.suffix_stats.trials.sum() > trials  # B took the suffix index's branches
     mat_a = sum(o.stats.mat for o in first) / 2
     mat_b = sum(o.stats.mat for o in again[:2]) / 2
     print(f"\nMAT of the two questions on A {mat_a:.2f}, on B drafting A's answers from the fleet {mat_b:.2f}")

@@ -130,6 +130,9 @@ def test_a_request_sent_while_the_model_starts_waits_for_it_up_to_startup_wait_s
             _assert_loading(await client.post("/v1/completions", json=BODY))  # never up: refused after the wait
             assert 1.4 < time.monotonic() - t0 < 5
 
+        # a wait far longer than the probe's period, so a loaded machine cannot turn it into a refusal
+        ingress, handle, client = _ingress(startup_wait_s=20)
+        async with client:
             async def come_up():
                 await asyncio.sleep(0.5)
                 handle.up = True
@@ -139,7 +142,7 @@ def test_a_request_sent_while_the_model_starts_waits_for_it_up_to_startup_wait_s
             r = await client.post("/v1/completions", json=BODY)
             await up
             assert r.status_code == 200 and r.json()["choices"][0]["text"] == "ok"
-            assert 0.4 < time.monotonic() - t0 < 1.5 + 1.0  # waited for the replica (the probe runs every second)
+            assert 0.4 < time.monotonic() - t0 < 20  # waited for the replica (the probe runs every second)
 
     asyncio.run(run())
 
