@@ -216,8 +216,6 @@ class MatrixSync:
         return result
 
     async def _adopt(self, actor) -> int | None:
-        import ray
-
         try:
             box = await self._rpc(actor.snapshot.remote())
         except Exception as e:
@@ -227,18 +225,9 @@ class MatrixSync:
         version = int(box["version"])
         if version <= self._adopted_version:
             return self._adopted_version
-        ref = box["ref"][0]
-        try:
-            table = await self._rpc(ref)
-        except (ray.exceptions.ObjectLostError, ray.exceptions.RayActorError) as e:  # owner died: lost
-            self._fail("snapshot_lost", e, drop_actor=True)
+        table = await self._fetch_published(box)
+        if table is None:
             return None
-        except Exception as e:
-            self._fail("snapshot_fetch", e)
-            return None
-        finally:
-            del ref
-            box = dict(box, ref=None)
         if getattr(table, "shape", None) != (self.vocab_size, self.k):
             self._fail("bad_snapshot", ValueError(f"snapshot shape {getattr(table, 'shape', None)}, "
                                                   f"expected ({self.vocab_size}, {self.k})"))
@@ -253,21 +242,15 @@ class MatrixSync:
         self.adoptions += 1
         return version
 
-    async def _import_corpus(self, actor) -> int | None:
-        """Fetch the fleet's suffix corpus and index the documents of other replicas this one has
-        not, between steps; returns how many were indexed (None: failed, logged)."""
+    async def _fetch_published(self, box: dict):
+        """The object an actor published (``box["ref"]``: the matrix snapshot or the suffix corpus),
+        or None when it is lost or unreachable (logged); the reference is dropped either way."""
         import ray
 
+        ref = box.pop("ref")[0]
         try:
-            box = await self._rpc(actor.corpus_snapshot.remote())
-        except Exception as e:
-            self._fail("actor_unreachable", e, drop_actor=True)
-            return None
-        self._check_epoch(box["epoch"])
-        ref = box["ref"][0]
-        try:
-            corpus = await self._rpc(ref)
-        except (ray.exceptions.ObjectLostError, ray.exceptions.RayActorError) as e:
+            return await self._rpc(ref)
+        except (ray.exceptions.ObjectLostError, ray.exceptions.RayActorError) as e:  # owner died: lost
             self._fail("snapshot_lost", e, drop_actor=True)
             return None
         except Exception as e:
@@ -275,7 +258,19 @@ class MatrixSync:
             return None
         finally:
             del ref
-            box = dict(box, ref=None)
+
+    async def _import_corpus(self, actor) -> int | None:
+        """Fetch the fleet's suffix corpus and index the documents of other replicas this one has
+        not, between steps; returns how many were indexed (None: failed, logged)."""
+        try:
+            box = await self._rpc(actor.corpus_snapshot.remote())
+        except Exception as e:
+            self._fail("actor_unreachable", e, drop_actor=True)
+            return None
+        self._check_epoch(box["epoch"])
+        corpus = await self._fetch_published(box)
+        if corpus is None:
+            return None
         try:
             job = self.suffix.plan(corpus)  # checks it (a DocumentBatch, consistent, in the vocabulary)
         except (ValueError, TypeError, AttributeError) as e:
