@@ -108,3 +108,42 @@ def test_a_cached_table_serves_the_step_sizes_it_was_measured_for():
     assert calibration.parse_table(data, 392).tokens[-1] == 384
     assert calibration.parse_table(data, 384) is not None and calibration.parse_table(data, 520) is None
     assert calibration.parse_table({"tokens": [1, 2, 648], "seconds": [0.01, 0.02, 0.4]}, 5000) is not None
+
+
+def test_an_interrupted_measurement_gives_up_before_its_next_forward_and_frees_its_rows(tokenizer):
+    """Polled before each forward: a request or a shutdown waits one forward at most, and no row
+    is left holding calibration context (the next request's prefill would land on it)."""
+    from tests.tiny_model import tiny_loaded
+
+    runner = ModelRunner(tiny_loaded(tokenizer).model, 8, 64)
+    forwards = []
+    real = runner.verify_step
+    runner.verify_step = lambda *a: forwards.append(1) or real(*a)
+    calibration.measure(runner, max_tokens=8, context=16, repeats=3, row_counts=(8,))
+    full = len(forwards)
+    for stop_after in (0, 1, full // 2, full - 1):  # before the first forward ... before the last
+        forwards.clear()
+        polls = []
+
+        def interrupted(stop_after=stop_after):
+            polls.append(len(forwards))
+            return len(forwards) >= stop_after
+
+        with pytest.raises(calibration.CalibrationInterrupted):
+            calibration.measure(runner, max_tokens=8, context=16, repeats=3, row_counts=(8,),
+                                interrupted=interrupted)
+        assert len(forwards) == stop_after
+        assert all(runner.length(r) == 0 for r in range(8))
+
+
+def test_the_idle_calibration_is_measured_again_after_an_interruption_and_cached(tokenizer, tmp_path, monkeypatch):
+    from tests.tiny_model import tiny_loaded
+
+    monkeypatch.setenv("TR_SERVE_CACHE", str(tmp_path))
+    monkeypatch.setattr(calibration, "POINTS", (1, 2, 4))
+    runner = ModelRunner(tiny_loaded(tokenizer).model, 1, 64)
+    job = calibration.IdleCalibration(runner, "tiny", 4, 0)
+    assert job.advance(1.0, interrupted=lambda: True) is False and job.interruptions == 1
+    assert not list(tmp_path.rglob("*.json"))  # nothing half measured is cached
+    assert job.advance(1.0, interrupted=lambda: False) is True
+    assert len(list((tmp_path / "calibration").glob("*.json"))) == 1

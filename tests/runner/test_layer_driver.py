@@ -3,7 +3,6 @@ same kernels, taken only where it computes what the layers do."""
 
 from __future__ import annotations
 
-import pytest
 import torch
 
 from tr_serve.runner import cpu_kernels as ck

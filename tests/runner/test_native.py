@@ -6,7 +6,6 @@ error, so that CI with a broken kernel source fails instead of skipping the kern
 
 from __future__ import annotations
 
-import ctypes
 import os
 import shutil
 import stat

@@ -261,9 +261,9 @@ def test_a_job_that_needs_the_rows_waits_for_an_idle_engine():
     class Rows:
         name, idle_only = "rows", True
 
-        def advance(self, seconds, runner, matrix):
+        def advance(self, seconds, runner, matrix, interrupted):
             ran.append("rows")
-            return True
+            return not interrupted()  # gives up when a request or a shutdown waits
 
     class Plan:
         name, order = "plan", 0
@@ -282,7 +282,9 @@ def test_a_job_that_needs_the_rows_waits_for_an_idle_engine():
     assert work.pending == ["rows", "plan"]
     assert not work.advance(1.0, idle=False) and ran == ["plan", "plan"] and work.pending == ["rows"]
     assert not work.advance(1.0) and ran == ["plan", "plan"]  # not idle unless the caller says so
-    assert work.advance(1.0, idle=True) and ran[-1] == "rows"
+    assert not work.advance(1.0, idle=True, interrupted=lambda: True) and ran[-1] == "rows"
+    assert work.pending == ["rows"]  # given up, not dropped: advanced again at the next idle moment
+    assert work.advance(1.0, idle=True) and ran.count("rows") == 2 and work.done == ["plan", "rows"]
 
 
 def test_the_full_latency_table_is_left_for_later_only_where_it_is_short(tokenizer, fresh_cache, monkeypatch):
@@ -295,7 +297,6 @@ def test_the_full_latency_table_is_left_for_later_only_where_it_is_short(tokeniz
     fast = LatencyTable((1, 8), (0.02, 0.03))
     assert measure_seconds(slow, 392, 4) > calibration.IDLE_CALIBRATION_SECONDS
     assert measure_seconds(fast, 392, 4) < calibration.IDLE_CALIBRATION_SECONDS
-    loaded = tiny_loaded(tokenizer, seed=3)
     for table, want in ((slow, []), (fast, ["latency table"])):
         monkeypatch.setattr(calibration, "provisional", lambda *a, table=table, **k: table)
         with deferring() as work:

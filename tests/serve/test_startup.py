@@ -225,6 +225,58 @@ def test_the_replica_is_ready_before_its_kernel_plan_and_prior_then_builds_them_
     asyncio.run(run())
 
 
+def test_a_request_and_a_shutdown_do_not_wait_for_the_idle_latency_measurement(tokenizer, tmp_path, monkeypatch):
+    """The full latency table is measured in one piece while the replica is idle; a request that
+    comes meanwhile is served after one forward of it, not after all of it (the measurement starts
+    again at the next idle moment), and so is a shutdown (an idle SIGTERM exits promptly)."""
+    from tests.tiny_model import tiny_loaded
+    from tr_serve import model_loader
+    from tr_serve.runner import calibration, kernel_autotune
+    from tr_serve.serve.protocol import CompletionRequest
+    from tr_serve.serve.server import LLMServer
+
+    monkeypatch.setenv("TR_SERVE_CACHE", str(tmp_path))
+    monkeypatch.setattr(kernel_autotune, "POINTS", (1, 2, 4))
+    monkeypatch.setattr(model_loader, "load_model", lambda *a, **k: tiny_loaded(tokenizer, seed=3))
+    real, started = calibration.measure, []
+
+    def endless(runner, max_tokens, **k):  # a measurement that ends only when interrupted
+        started.append(time.monotonic())
+        return real(runner, max_tokens, **{**k, "repeats": 10 ** 9})
+
+    monkeypatch.setattr(calibration, "measure", endless)
+    request = CompletionRequest(model="tiny", prompt=[5, 17, 99, 3, 250], max_tokens=8, temperature=0,
+                                ignore_eos=True)
+
+    async def run():
+        server = LLMServer.__new__(LLMServer)
+        await LLMServer.__init__(server, {"model": "tiny", "engine_kwargs": {"max_num_seqs": 2, "max_model_len": 128}})
+        stopped = False
+        try:
+            deadline = time.monotonic() + 120
+            while not started and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+            assert "latency table" in server.startup.pending
+            await asyncio.sleep(0.5)  # well into the measurement
+            t0 = time.monotonic()
+            items = [item async for item in server.completions(request, "cmpl-1")]
+            assert isinstance(items[1], dict) and items[1]["choices"][0]["finish_reason"] == "length"
+            assert time.monotonic() - t0 < 10
+            while len(started) < 2 and time.monotonic() < deadline:  # idle again: measured from the start
+                await asyncio.sleep(0.05)
+            job = next(j for j in server.startup.jobs if j.name == "latency table")
+            assert job.interruptions >= 1
+            t0 = time.monotonic()
+            await asyncio.wait_for(server.__del__(), 30)
+            stopped = True
+            assert time.monotonic() - t0 < 5 and not server.engine.alive
+        finally:
+            if not stopped:
+                await server.__del__()
+
+    asyncio.run(run())
+
+
 @pytest.mark.parametrize("wait", [-1, float("inf")])
 def test_startup_wait_s_must_be_a_finite_non_negative_number(wait):
     from tr_serve.serve.config import ConfigError, TRServeConfig

@@ -187,4 +187,4 @@ def test_a_fixed_node_count_verifies_the_best_estimated_nodes_whatever_they_cost
     assert choose_fixed_plan([0.9, 0.8, 0.1, 0.1], [merged], 2) == [(2, 0)]
     assert choose_fixed_plan([0.9, 0.8, 0.1, 0.1], [merged], 3) == [(2, 1)]
     # the branchless rows' own estimates, where given
-    assert choose_fixed_plan(template, [([], [])], 2, branchless_rates=[0.1, 0.1, 0.1, 0.1]) == [(2, 0)]
+    assert choose_fixed_plan(template, [([], [])], 2) == [(2, 0)]

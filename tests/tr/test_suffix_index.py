@@ -22,8 +22,7 @@ def brute_force(docs: dict[int, list[int]], text: list[int], exclude: int, min_m
     """What the index must return, by scanning every position of every other document: the
     occurrences of the longest suffix of ``text`` (min_match..max_match tokens) that have a next
     token, then the majority continuation depth by depth (ties: the most recent occurrence)."""
-    occurrences = []  # (match length, recency, doc tokens, position of the next token)
-    recency = 0
+    occurrences = []  # (match length, (doc, position) for recency, doc tokens, position of the next token)
     for doc, toks in docs.items():  # creation order
         if doc == exclude:
             continue

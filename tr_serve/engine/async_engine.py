@@ -110,6 +110,11 @@ class AsyncEngine:
         self._wake.set()
         return future
 
+    def commands_waiting(self) -> bool:
+        """True once a command (a request, an abort, a call) or a shutdown waits for the step
+        thread: what a long piece of work on that thread polls to give way (runner/startup_work.py)."""
+        return self._stopped or not self._commands.empty()
+
     def shutdown(self) -> None:
         """Stop the step thread, then release what the engine holds elsewhere (tensor-parallel
         workers; an in-process engine can still be stepped by another wrapper)."""

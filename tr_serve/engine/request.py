@@ -12,7 +12,7 @@ from tr_serve.tr.context_index import ContextIndex
 from tr_serve.tr.suffix_index import DEFAULT_NAMESPACE
 
 if TYPE_CHECKING:  # the scheduler imports this file and stays torch-free
-    import torch
+    from tr_serve.runner.step_io import RowSampler
 
 
 class FinishReason(str, Enum):

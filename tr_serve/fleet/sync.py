@@ -234,8 +234,6 @@ class MatrixSync:
             return None
         snap = torch.from_numpy(np.array(table, dtype=np.int32, copy=True))  # ours, not object-store memory
         del table
-        if self.engine.matrix.device.type == "cuda":
-            snap = snap.pin_memory()  # the copy between steps is then an async H2D on the step's stream
         await self._between_steps(lambda engine: self._adopt_between_steps(engine, snap, version))
         self._adopted_version = version
         self._adopted_published_at = float(box["published_at"])

@@ -7,6 +7,7 @@ import logging
 import platform
 import statistics
 import time
+from typing import Callable
 
 import torch
 
@@ -57,8 +58,13 @@ ROW_COUNTS = (8, 32)
 ROW_WIDTHS = (1, 4, 16)
 
 
+class CalibrationInterrupted(Exception):
+    """:func:`measure` gave up between two forwards (its rows left empty): a request or a shutdown came."""
+
+
 def measure(runner: StepRunner, max_tokens: int, context: int = 256, repeats: int = 5,
-            recycle_k: int = 0, row_counts: tuple[int, ...] = ROW_COUNTS) -> LatencyTable:
+            recycle_k: int = 0, row_counts: tuple[int, ...] = ROW_COUNTS,
+            interrupted: Callable[[], bool] = lambda: False) -> LatencyTable:
     """Latency of one verify step of ``q`` tokens on row 0 over a ``context``-token prefix, as the
     engine calls it (``verify_step``: the forward, the reduction to ids with ``recycle_k`` top-k
     ids per node, and their way to the host; under tensor parallelism the round trip): the median
@@ -70,7 +76,25 @@ def measure(runner: StepRunner, max_tokens: int, context: int = 256, repeats: in
     runs at the machine's typical speed. Measured here (2 threads, context 300), the minimum of 3
     put 24 tokens at 50 ms and 4-12 tokens all at 35 ms; the median forward took 62-66 ms for 24
     tokens and 33 / 36 / 40 ms for 4 / 8 / 12 tokens over 4 rows, so the budget bought drafts at
-    16 rows for half their price (a static batch of 16: 5% fewer steps for 9% more forward time)."""
+    16 rows for half their price (a static batch of 16: 5% fewer steps for 9% more forward time).
+
+    ``interrupted`` is polled before every forward: once true, the rows are freed and
+    :class:`CalibrationInterrupted` raised, so a measurement after ready never holds up a request."""
+    try:
+        return _measure(runner, max_tokens, context, repeats, recycle_k, row_counts, interrupted)
+    except CalibrationInterrupted:
+        for r in range(min(runner.num_rows, max((1, *row_counts)))):
+            runner.free(r)
+        raise
+
+
+def _give_up_if(interrupted: Callable[[], bool]) -> None:
+    if interrupted():
+        raise CalibrationInterrupted
+
+
+def _measure(runner: StepRunner, max_tokens: int, context: int, repeats: int, recycle_k: int,
+             row_counts: tuple[int, ...], interrupted: Callable[[], bool]) -> LatencyTable:
     row = torch.tensor([0])
     context = max(1, min(context, runner.max_len - max_tokens - 1))
     points = [q for q in POINTS if q <= max_tokens and context + q <= runner.max_len] or [1]
@@ -83,11 +107,13 @@ def measure(runner: StepRunner, max_tokens: int, context: int = 256, repeats: in
     sync = torch.cuda.synchronize if runner.device.type == "cuda" else (lambda: None)
     timed: dict[int, list[float]] = {q: [] for q in points}
     for q in points:
+        _give_up_if(interrupted)
         runner.verify_step(row, *inputs[q])  # warm-up for this shape
     for r in range(repeats):
         for q in (points if r % 2 == 0 else points[::-1]):
             if r > 0 and q > 128:
                 continue
+            _give_up_if(interrupted)
             sync()
             t0 = time.perf_counter()
             runner.verify_step(row, *inputs[q])  # ends with the copy of its ids to the host
@@ -99,12 +125,13 @@ def measure(runner: StepRunner, max_tokens: int, context: int = 256, repeats: in
     for i in range(len(seconds) - 2, -1, -1):
         seconds[i] = min(seconds[i], seconds[i + 1])
     table = LatencyTable(tuple(points), tuple(seconds))
-    offsets = _row_offsets(runner, table, context, max(3, repeats // 2), recycle_k, row_counts, sync)
+    offsets = _row_offsets(runner, table, context, max(3, repeats // 2), recycle_k, row_counts, sync,
+                           interrupted)
     return LatencyTable(table.tokens, table.seconds, offsets)
 
 
 def _row_offsets(runner: StepRunner, table: LatencyTable, context: int, repeats: int, recycle_k: int,
-                 row_counts: tuple[int, ...], sync) -> tuple[tuple[int, int, float], ...]:
+                 row_counts: tuple[int, ...], sync, interrupted: Callable[[], bool]) -> tuple[tuple[int, int, float], ...]:
     """(rows, tokens per row, median seconds over the one-row table) of steps on several rows,
     each over a ``context``-token prefix; the rows are left empty afterwards."""
     out = []
@@ -119,13 +146,16 @@ def _row_offsets(runner: StepRunner, table: LatencyTable, context: int, repeats:
         greedy = StepSampling((None,) * n, recycle_k)
         for r in range(n):
             runner.free(r)
+        _give_up_if(interrupted)
         runner.prefill_step(rows, [[10 + (i + r) % (high - 10) for i in range(context)] for r in range(n)], greedy)
         for w in widths:
             inputs = (torch.randint(10, high, (n, w)), torch.arange(w), torch.ones(w, w, dtype=torch.bool).tril(),
                       None, greedy)
+            _give_up_if(interrupted)
             runner.verify_step(rows, *inputs)  # warm-up for this shape
             timed = []
             for _ in range(repeats):
+                _give_up_if(interrupted)
                 sync()
                 t0 = time.perf_counter()
                 runner.verify_step(rows, *inputs)
@@ -195,9 +225,10 @@ def measure_seconds(table: LatencyTable, max_tokens: int, num_rows: int, context
 
 class IdleCalibration:
     """The full latency table measured after the replica is ready (runner/startup_work.py): in one
-    piece while the engine has no request (it holds row 0 throughout), with the kernel plan
-    installed by then, and cached for the next start; the running engine keeps its provisional
-    table, which the budget corrects online."""
+    piece while the engine has no request (it holds row 0 throughout), given up between two
+    forwards when a request or a shutdown comes, with the kernel plan installed by then, and cached
+    for the next start; the running engine keeps its provisional table, which the budget corrects
+    online."""
 
     name = "latency table"
     order = 1  # after the kernel plan, which it is keyed by
@@ -205,12 +236,19 @@ class IdleCalibration:
 
     def __init__(self, runner: StepRunner, model_id: str, max_tokens: int, recycle_k: int):
         self.runner, self.model_id, self.max_tokens, self.recycle_k = runner, model_id, max_tokens, recycle_k
+        self.interruptions = 0  # measurements given up for a request or a shutdown
 
-    def advance(self, seconds: float, runner=None, matrix=None) -> bool:
+    def advance(self, seconds: float, runner=None, matrix=None, interrupted: Callable[[], bool] = lambda: False) -> bool:
+        """The whole table, or False when ``interrupted`` cut it short (measured again from the
+        start at the next idle moment: a half table interleaves rounds with nothing)."""
         path = cache_root() / "calibration" / f"{calibration_key(self.model_id, self.runner, self.recycle_k)}.json"
         if load_json(path, lambda data: parse_table(data, self.max_tokens), "calibration") is None:
-            _save_table(path, measure(self.runner, self.max_tokens, recycle_k=self.recycle_k), self.runner,
-                        self.model_id)
+            try:
+                table = measure(self.runner, self.max_tokens, recycle_k=self.recycle_k, interrupted=interrupted)
+            except CalibrationInterrupted:
+                self.interruptions += 1
+                return False
+            _save_table(path, table, self.runner, self.model_id)
         return True
 
 

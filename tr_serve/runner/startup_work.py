@@ -8,8 +8,9 @@ at once and otherwise register a job here and return at once (torch's kernels, a
 the server then calls :meth:`StartupWork.advance` on the engine's step thread, between steps, so a
 job never runs beside a forward and installs its result (the runner's plan, the matrix's empty
 rows) at a step boundary. A missing latency table is a provisional one at once, the full one
-measured while the engine is idle (runner/calibration.py) and cached for the next start. Outside a collection (``LLM``, the benches, tests) everything is
-computed before the engine exists, as before.
+measured while the engine is idle (runner/calibration.py), given up the moment a request or a
+shutdown comes (and retried at the next idle moment), and cached for the next start. Outside a
+collection (``LLM``, the benches, tests) everything is computed before the engine exists, as before.
 """
 
 from __future__ import annotations
@@ -18,15 +19,17 @@ import contextlib
 import contextvars
 import logging
 import time
-from typing import Any, Iterator, Protocol
+from typing import Any, Callable, Iterator, Protocol
 
 logger = logging.getLogger(__name__)
 
 
 class StartupJob(Protocol):
     """One piece of deferred start-up work, advanced in slices. Optional attributes: ``order``
-    (lower runs first, default 0) and ``idle_only`` (True: advanced only while the engine has no
-    request, a job whose slice cannot be cut short)."""
+    (lower runs first, default 0) and ``idle_only`` (True: a job whose work cannot be cut into
+    slices, advanced only while the engine has no request; its ``advance`` takes a fourth argument,
+    ``interrupted()``, which it polls between forwards to give up at once, so neither a new request
+    nor a shutdown waits for it)."""
 
     name: str
 
@@ -55,10 +58,12 @@ class StartupWork:
     def pending(self) -> list[str]:
         return [job.name for job in self.jobs]
 
-    def advance(self, seconds: float, runner: Any = None, matrix: Any = None, idle: bool = False) -> bool:
+    def advance(self, seconds: float, runner: Any = None, matrix: Any = None, idle: bool = False,
+                interrupted: Callable[[], bool] = lambda: False) -> bool:
         """Run the jobs for about ``seconds``; True once none is left. ``idle``: the engine has no
-        request, none admitted nor waiting (only then do ``idle_only`` jobs run). A job that raises is dropped (logged): the engine
-        goes on with what it has, torch's kernels or a partial prior."""
+        request, none admitted nor waiting (only then do ``idle_only`` jobs run, polling
+        ``interrupted``: true once a request or a shutdown waits). A job that raises is dropped
+        (logged): the engine goes on with what it has, torch's kernels or a partial prior."""
         start = time.perf_counter()
         end = start + seconds
         try:
@@ -68,7 +73,9 @@ class StartupWork:
                     break
                 job = ready[0]
                 try:
-                    finished = job.advance(max(0.0, end - time.perf_counter()), runner, matrix)
+                    left = max(0.0, end - time.perf_counter())
+                    finished = (job.advance(left, runner, matrix, interrupted) if getattr(job, "idle_only", False)
+                                else job.advance(left, runner, matrix))
                 except Exception:
                     logger.exception("start-up work %r failed; serving goes on without it", job.name)
                     self.jobs.remove(job)
@@ -78,7 +85,7 @@ class StartupWork:
                     self.jobs.remove(job)
                     self.done.append(job.name)
                     logger.info("start-up work %r done", job.name)
-                if time.perf_counter() >= end:
+                if time.perf_counter() >= end or (not finished and interrupted()):
                     break
         finally:
             self.seconds += time.perf_counter() - start

@@ -99,7 +99,8 @@ class LLMServer:
             while work.pending and self.engine.alive:
                 t0 = time.monotonic()
                 await self.engine.call_between_steps(
-                    lambda core: work.advance(STARTUP_SLICE_S, core.runner, core.matrix, not core.has_unfinished()))
+                    lambda core: work.advance(STARTUP_SLICE_S, core.runner, core.matrix, not core.has_unfinished(),
+                                              self.engine.commands_waiting))
                 if self.engine.num_running or self.engine.num_waiting:  # leave the step thread to the requests
                     await asyncio.sleep((time.monotonic() - t0) * (1 / STARTUP_BUSY_SHARE - 1))
                 else:

@@ -216,7 +216,7 @@ class TreeBudget:
             chain_info.append((merge_pos, self.branch_rates(chain, matches[r], agreements[r], cells[r])))
         scaled = _scaled(chain_info, self.branch_calibration.scale)
         if self.fixed_nodes is not None:
-            plans = choose_fixed_plan(order_rates, chain_info, self.fixed_nodes, branchless_rates)
+            plans = choose_fixed_plan(order_rates, chain_info, self.fixed_nodes)
         else:
             plans = choose_plan([p * scale for p in order_rates], scaled, self.latency, self.node_candidates,
                                 self.chain_caps, explore, [p * scale for p in branchless_rates])

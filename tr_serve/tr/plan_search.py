@@ -181,15 +181,15 @@ def choose_plan(template_rates: list[float], chains: list[tuple[list[int], list[
     return plan
 
 
-def choose_fixed_plan(template_rates: list[float], chains: list[tuple[list[int], list[float]]], nodes: int,
-                      branchless_rates: list[float] | None = None) -> list[tuple[int, int]]:
+def choose_fixed_plan(template_rates: list[float], chains: list[tuple[list[int], list[float]]],
+                      nodes: int) -> list[tuple[int, int]]:
     """Per row, (template nodes n, branch cap L) that verify ``nodes`` drafted nodes (fewer only when
     the template and the branch have fewer) with the most expected accepted drafts, arguments as in
     :func:`choose_plan`: the ranking of the cost-aware budget at a fixed node count, whatever the
     step costs. Why: what better first nodes are worth is their MAT at 1, 2, 4, 8 or 16 verified
-    nodes, which a cost-aware plan (a count of its own each step) does not show."""
+    nodes, which a cost-aware plan (a count of its own each step) does not show. A row without a
+    branch takes the template's first ``nodes``, whatever their rates."""
     cum_t = _cumulative(template_rates)
-    cum_b = cum_t if branchless_rates is None else _cumulative(branchless_rates)
     most = min(nodes, len(template_rates))
     plans = []
     for merge_pos, rates in chains:
