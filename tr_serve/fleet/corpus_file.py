@@ -27,7 +27,7 @@ from pathlib import Path
 import numpy as np
 
 from tr_serve.fleet.corpus import DocumentBatch
-from tr_serve.fleet.snapshot import (Identity, SnapshotRefused, prune, snapshot_files,
+from tr_serve.fleet.snapshot import (Identity, SnapshotRefused, newest_accepted, open_checked, prune,
                                      write_table_atomically)
 
 logger = logging.getLogger("tr_serve.fleet")
@@ -74,32 +74,13 @@ def read_corpus(path: Path, expect: Identity) -> DocumentBatch:
     """Load one corpus snapshot for ``expect``; raises :class:`SnapshotRefused` with the reason."""
     import pyarrow as pa
 
+    table, meta = open_checked(path, expect, FORMAT, fleet_namespace=True)
+    vocab = expect.vocab_size
     try:
-        reader = pa.ipc.open_file(pa.BufferReader(Path(path).read_bytes()))
-        schema = reader.schema
-        table = reader.read_all()
-    except (OSError, pa.ArrowException, ValueError) as e:
-        raise SnapshotRefused(f"unreadable Arrow IPC file ({type(e).__name__}: {e})") from None
-    meta = {k.decode("utf-8", "replace"): v.decode("utf-8", "replace") for k, v in (schema.metadata or {}).items()}
-    fmt = meta.get("tr_serve.format")
-    if fmt != FORMAT:
-        raise SnapshotRefused(f"format {fmt!r} is not {FORMAT!r}")
-    try:
-        vocab, last_seq = int(meta["vocab_size"]), int(meta["last_seq"])
-        ndocs, ntokens = int(meta["documents"]), int(meta["tokens"])
-        model_id, namespace, fingerprint = meta["model_id"], meta["namespace"], meta["tokenizer_fingerprint"]
+        last_seq, ndocs, ntokens = int(meta["last_seq"]), int(meta["documents"]), int(meta["tokens"])
         float(meta["created_at"])
     except (KeyError, ValueError) as e:
         raise SnapshotRefused(f"bad or missing metadata ({type(e).__name__}: {e})") from None
-    if model_id != expect.model_id:
-        raise SnapshotRefused(f"it belongs to model {model_id!r}, not {expect.model_id!r}")
-    if namespace != expect.namespace:
-        raise SnapshotRefused(f"it belongs to fleet namespace {namespace!r}, not {expect.namespace!r}")
-    if fingerprint != expect.tokenizer_fingerprint:
-        raise SnapshotRefused(f"its tokenizer fingerprint {fingerprint[:12]}... differs from this model's "
-                              f"{expect.tokenizer_fingerprint[:12]}...")
-    if vocab != expect.vocab_size:
-        raise SnapshotRefused(f"its vocabulary size is {vocab}, not {expect.vocab_size}")
     try:
         tokens_col = table.column("tokens").combine_chunks()
         if not pa.types.is_large_list(tokens_col.type) or not pa.types.is_int32(tokens_col.type.value_type):
@@ -127,18 +108,10 @@ def read_corpus(path: Path, expect: Identity) -> DocumentBatch:
 
 
 def load_newest_corpus(folder: Path, expect: Identity) -> tuple[DocumentBatch, Path] | None:
-    """The newest corpus snapshot of ``folder`` that :func:`read_corpus` accepts; refused files are
-    logged (why) and skipped. ``None`` when there is none: start with an empty corpus."""
-    for path in snapshot_files(folder, PREFIX):
-        try:
-            batch = read_corpus(path, expect)
-        except SnapshotRefused as e:
-            logger.warning("refusing suffix corpus snapshot %s: %s; trying the next one", path, e)
-            continue
-        except Exception as e:  # never crash on a file
-            logger.warning("refusing suffix corpus snapshot %s: unexpected %s: %s; trying the next one", path,
-                           type(e).__name__, e)
-            continue
+    """The newest corpus snapshot of ``folder`` that :func:`read_corpus` accepts (refused files
+    logged and skipped). ``None`` when there is none: start with an empty corpus."""
+    found = newest_accepted(folder, PREFIX, lambda path: read_corpus(path, expect), "suffix corpus")
+    if found is not None:
+        batch, path = found
         logger.info("loaded suffix corpus snapshot %s (%d documents, %d tokens)", path, len(batch), batch.num_tokens)
-        return batch, path
-    return None
+    return found

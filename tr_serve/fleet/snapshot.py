@@ -25,10 +25,13 @@ import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable, TypeVar
 
 import numpy as np
 
 from tr_serve.fleet.merge import EMPTY
+
+T = TypeVar("T")
 
 logger = logging.getLogger("tr_serve.fleet")
 
@@ -194,8 +197,10 @@ def remove_stale_temp_files(folder: Path, prefixes: tuple[str, ...] = (PREFIX,))
         pass
 
 
-def read_snapshot(path: Path, expect: Identity) -> tuple[MatrixState, SnapshotMeta]:
-    """Load one snapshot for ``expect``; raises :class:`SnapshotRefused` with the reason."""
+def open_checked(path: Path, expect: Identity, file_format: str, fleet_namespace: bool = False):
+    """(table, metadata) of one Arrow IPC snapshot file of ``file_format`` made for ``expect``'s
+    model, tokenizer and vocabulary (and, with ``fleet_namespace``, its fleet namespace); raises
+    :class:`SnapshotRefused` with the reason. The caller checks its own fields and columns."""
     import pyarrow as pa
 
     try:
@@ -205,24 +210,52 @@ def read_snapshot(path: Path, expect: Identity) -> tuple[MatrixState, SnapshotMe
         table = reader.read_all()
     except (OSError, pa.ArrowException, ValueError) as e:
         raise SnapshotRefused(f"unreadable Arrow IPC file ({type(e).__name__}: {e})") from None
-    raw = schema.metadata or {}
-    meta = {kk.decode("utf-8", "replace"): vv.decode("utf-8", "replace") for kk, vv in raw.items()}
+    meta = {k.decode("utf-8", "replace"): v.decode("utf-8", "replace") for k, v in (schema.metadata or {}).items()}
     fmt = meta.get("tr_serve.format")
-    if fmt != FORMAT:
-        raise SnapshotRefused(f"format {fmt!r} is not {FORMAT!r}")
+    if fmt != file_format:
+        raise SnapshotRefused(f"format {fmt!r} is not {file_format!r}")
     try:
-        vocab, k, version = int(meta["vocab_size"]), int(meta["k"]), int(meta["version"])
-        created, nrows = float(meta["created_at"]), int(meta["rows"])
-        model_id, fingerprint = meta["model_id"], meta["tokenizer_fingerprint"]
+        vocab, model_id, fingerprint = int(meta["vocab_size"]), meta["model_id"], meta["tokenizer_fingerprint"]
+        namespace = meta["namespace"] if fleet_namespace else expect.namespace
     except (KeyError, ValueError) as e:
         raise SnapshotRefused(f"bad or missing metadata ({type(e).__name__}: {e})") from None
     if model_id != expect.model_id:
         raise SnapshotRefused(f"it belongs to model {model_id!r}, not {expect.model_id!r}")
+    if namespace != expect.namespace:
+        raise SnapshotRefused(f"it belongs to fleet namespace {namespace!r}, not {expect.namespace!r}")
     if fingerprint != expect.tokenizer_fingerprint:
         raise SnapshotRefused(f"its tokenizer fingerprint {fingerprint[:12]}... differs from this model's "
                               f"{expect.tokenizer_fingerprint[:12]}...")
     if vocab != expect.vocab_size:
         raise SnapshotRefused(f"its vocabulary size is {vocab}, not {expect.vocab_size}")
+    return table, meta
+
+
+def newest_accepted(folder: Path, prefix: str, read: Callable[[Path], T], what: str) -> tuple[T, Path] | None:
+    """The newest file of ``prefix`` in ``folder`` that ``read`` accepts, with its path; a refused
+    file is logged (why) and skipped, and nothing a file holds crashes the caller. None: none."""
+    for path in snapshot_files(folder, prefix):
+        try:
+            return read(path), path
+        except SnapshotRefused as e:
+            logger.warning("refusing %s snapshot %s: %s; trying the next one", what, path, e)
+        except Exception as e:  # never crash on a file
+            logger.warning("refusing %s snapshot %s: unexpected %s: %s; trying the next one", what, path,
+                           type(e).__name__, e)
+    return None
+
+
+def read_snapshot(path: Path, expect: Identity) -> tuple[MatrixState, SnapshotMeta]:
+    """Load one snapshot for ``expect``; raises :class:`SnapshotRefused` with the reason."""
+    import pyarrow as pa
+
+    table, meta = open_checked(path, expect, FORMAT)
+    vocab = expect.vocab_size
+    try:
+        k, version = int(meta["k"]), int(meta["version"])
+        created, nrows = float(meta["created_at"]), int(meta["rows"])
+    except (KeyError, ValueError) as e:
+        raise SnapshotRefused(f"bad or missing metadata ({type(e).__name__}: {e})") from None
     if k != expect.k:
         raise SnapshotRefused(f"its K is {k}, not {expect.k}")
     try:
@@ -259,18 +292,11 @@ def _fixed_list(table, name: str, k: int) -> np.ndarray:
 
 
 def load_newest(folder: Path, expect: Identity) -> tuple[MatrixState, SnapshotMeta, Path] | None:
-    """The newest snapshot of ``folder`` that :func:`read_snapshot` accepts; refused files are
-    logged (why) and skipped. ``None`` when there is none: start empty."""
-    for path in snapshot_files(folder):
-        try:
-            state, meta = read_snapshot(path, expect)
-        except SnapshotRefused as e:
-            logger.warning("refusing matrix snapshot %s: %s; trying the next one", path, e)
-            continue
-        except Exception as e:  # never crash on a file
-            logger.warning("refusing matrix snapshot %s: unexpected %s: %s; trying the next one", path,
-                           type(e).__name__, e)
-            continue
-        logger.info("loaded matrix snapshot %s (version %d, %d rows)", path, meta.version, meta.rows)
-        return state, meta, path
-    return None
+    """The newest snapshot of ``folder`` that :func:`read_snapshot` accepts (refused files logged
+    and skipped). ``None`` when there is none: start empty."""
+    found = newest_accepted(folder, PREFIX, lambda path: read_snapshot(path, expect), "matrix")
+    if found is None:
+        return None
+    (state, meta), path = found
+    logger.info("loaded matrix snapshot %s (version %d, %d rows)", path, meta.version, meta.rows)
+    return state, meta, path
