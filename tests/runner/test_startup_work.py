@@ -304,3 +304,21 @@ def test_the_full_latency_table_is_left_for_later_only_where_it_is_short(tokeniz
                                                                 max_model_len=128, cpu_kernels="torch",
                                                                 matrix_prior=False))
         assert work.pending == want
+
+
+def test_the_running_engine_prices_drafts_by_the_full_table_once_it_is_measured(tokenizer, fresh_cache, monkeypatch):
+    """Started on a provisional table (a few counts), the budget takes the full table the idle
+    calibration measures, at a step boundary; online offsets start over against it."""
+    monkeypatch.setattr(calibration, "POINTS", (1, 2, 4, 8, 16))
+    with deferring() as work:
+        engine = Engine(tiny_loaded(tokenizer, seed=3), EngineConfig(model="tiny", tree="auto", max_num_seqs=1,
+                                                                     max_model_len=128, cpu_kernels="torch",
+                                                                     matrix_prior=False))
+    latency = engine.speculator.drafter.budget.latency
+    assert work.pending == ["latency table"] and latency.table.tokens == calibration.QUICK_POINTS  # provisional
+    latency.observe(1, 4, 10.0)  # an offset learned against the provisional table
+    assert latency.offsets
+    while not work.advance(1.0, engine.runner, engine.matrix, idle=True):
+        pass
+    assert latency.table.tokens == (1, 2, 4, 8, 16) and latency.offsets == {}
+    assert _generate(engine, PROMPT, 12) == _generate(_plain(tokenizer), PROMPT, 12)

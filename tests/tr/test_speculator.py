@@ -14,7 +14,7 @@ VOCAB = 64
 
 
 def _speculator(calls: list | None = None, rows: int = 3, **settings) -> Speculator:
-    def calibrate(max_tokens: int, recycle_k: int) -> LatencyTable:
+    def calibrate(max_tokens: int, recycle_k: int, adopt) -> LatencyTable:
         if calls is not None:
             calls.append((max_tokens, recycle_k))
         return LatencyTable((1, 64), (1.0, 1.1))

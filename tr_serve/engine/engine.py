@@ -56,7 +56,8 @@ class Engine:
             self.runner = runner(max_len)
         self.num_rows = self.runner.num_rows
         self.speculator = Speculator(config, self.runner.vocab_size, self.num_rows, matrix,
-                                     lambda max_q, k: load_or_measure(self.runner, loaded.model_id, max_q, k))
+                                     lambda max_q, k, adopt: load_or_measure(self.runner, loaded.model_id, max_q, k,
+                                                                             adopt))
         if self.speculator.uses_matrix and config.matrix_prior and runner is None:
             self._seed_prior(loaded)
         # what the fleet shares (fleet/sync.py)

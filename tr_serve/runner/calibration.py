@@ -226,29 +226,33 @@ def measure_seconds(table: LatencyTable, max_tokens: int, num_rows: int, context
 class IdleCalibration:
     """The full latency table measured after the replica is ready (runner/startup_work.py): in one
     piece while the engine has no request (it holds row 0 throughout), given up between two
-    forwards when a request or a shutdown comes, with the kernel plan installed by then, and cached
-    for the next start; the running engine keeps its provisional table, which the budget corrects
-    online."""
+    forwards when a request or a shutdown comes, with the kernel plan installed by then; cached for
+    the next start and adopted by the running engine's budget in place of its provisional table."""
 
     name = "latency table"
     order = 1  # after the kernel plan, which it is keyed by
     idle_only = True
 
-    def __init__(self, runner: StepRunner, model_id: str, max_tokens: int, recycle_k: int):
+    def __init__(self, runner: StepRunner, model_id: str, max_tokens: int, recycle_k: int,
+                 adopt: Callable[[LatencyTable], None] | None = None):
         self.runner, self.model_id, self.max_tokens, self.recycle_k = runner, model_id, max_tokens, recycle_k
+        self.adopt = adopt  # the running engine's budget takes the full table
         self.interruptions = 0  # measurements given up for a request or a shutdown
 
     def advance(self, seconds: float, runner=None, matrix=None, interrupted: Callable[[], bool] = lambda: False) -> bool:
         """The whole table, or False when ``interrupted`` cut it short (measured again from the
         start at the next idle moment: a half table interleaves rounds with nothing)."""
         path = cache_root() / "calibration" / f"{calibration_key(self.model_id, self.runner, self.recycle_k)}.json"
-        if load_json(path, lambda data: parse_table(data, self.max_tokens), "calibration") is None:
+        table = load_json(path, lambda data: parse_table(data, self.max_tokens), "calibration")
+        if table is None:
             try:
                 table = measure(self.runner, self.max_tokens, recycle_k=self.recycle_k, interrupted=interrupted)
             except CalibrationInterrupted:
                 self.interruptions += 1
                 return False
             _save_table(path, table, self.runner, self.model_id)
+        if self.adopt is not None:
+            self.adopt(table)
         return True
 
 
@@ -259,10 +263,12 @@ def _save_table(path, table: LatencyTable, runner: StepRunner, model_id: str) ->
               "calibration")
 
 
-def load_or_measure(runner: StepRunner, model_id: str, max_tokens: int, recycle_k: int = 0) -> LatencyTable:
+def load_or_measure(runner: StepRunner, model_id: str, max_tokens: int, recycle_k: int = 0,
+                    adopt: Callable[[LatencyTable], None] | None = None) -> LatencyTable:
     """The cached table, else measured and cached; inside a deferring start-up
     (runner/startup_work.py) a missing table is a :func:`provisional` one instead, and the full
-    one is measured after ready where that should be short (:class:`IdleCalibration`)."""
+    one is measured after ready where that should be short (:class:`IdleCalibration`), then
+    handed to ``adopt`` (on the step thread, between steps)."""
     from tr_serve.runner import startup_work
 
     path = cache_root() / "calibration" / f"{calibration_key(model_id, runner, recycle_k)}.json"
@@ -274,7 +280,7 @@ def load_or_measure(runner: StepRunner, model_id: str, max_tokens: int, recycle_
         table = provisional(runner, max_tokens, recycle_k)
         expected = measure_seconds(table, max_tokens, runner.num_rows)
         if expected <= IDLE_CALIBRATION_SECONDS:
-            work.add(IdleCalibration(runner, model_id, max_tokens, recycle_k))
+            work.add(IdleCalibration(runner, model_id, max_tokens, recycle_k, adopt))
         else:
             logger.info("a full latency table would take about %.0f s: not measured while serving "
                         "(`tr-serve prepare` measures it ahead of time)", expected)

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Callable, Sequence
 from tr_serve.tr.acceptance_stats import (AcceptanceStats, ContextStats, SuffixStats, branch_outcomes, node_outcomes,
                                           suffix_outcomes)
 from tr_serve.tr.plan_search import NOT_VERIFIED, choose_fixed_plan, choose_plan, plan_gains
-from tr_serve.tr.step_latency import StepLatency
+from tr_serve.tr.step_latency import LatencyTable, StepLatency
 from tr_serve.tr.tree import CompiledTree, order_by_rates
 
 if TYPE_CHECKING:
@@ -234,6 +234,12 @@ class TreeBudget:
             template = self._expected[0] * self.calibration.scale
             total = len(plans) + template + self._expected[1] * self.branch_calibration.scale
             self.template_share = _lean_average(self.template_share, template / total)
+
+    def adopt_latency_table(self, table: LatencyTable) -> None:
+        """Price steps by ``table`` from now on (:meth:`StepLatency.adopt`); plans kept for
+        branchless steps were priced by the old one."""
+        self.latency.adopt(table)
+        self._branchless_plans.clear()
 
     def reorder(self, rates: list[float]) -> None:
         """Re-rank the template nodes by estimated path rate (parents always before children)."""

@@ -62,8 +62,10 @@ class SpeculatedRequest(Protocol):
         ...
 
 
-# (max query tokens, recycled top-k per node) -> the step latency measured on the runner's device
-Calibrate = Callable[[int, int], LatencyTable]
+# (max query tokens, recycled top-k per node, adopt) -> the step latency measured on the runner's
+# device; a provisional table now may be followed by the full one, handed to adopt later (on the
+# step thread, between steps: runner/calibration.py)
+Calibrate = Callable[[int, int, Callable[[LatencyTable], None]], LatencyTable]
 
 
 def _load_tree(settings: SpeculationSettings) -> tuple[TreeSpec, CompiledTree | None]:
@@ -94,8 +96,14 @@ class Speculator:
             if self.spec.auto_budget:
                 if calibrate is None:
                     raise ValueError("the cost-aware budget needs the step latency: pass calibrate")
-                latency = StepLatency(calibrate(rows * (self.kv_scratch(settings) + 1), self.recycle_k))
+                latency = StepLatency(calibrate(rows * (self.kv_scratch(settings) + 1), self.recycle_k,
+                                                self.adopt_latency_table))
             self.drafter = Drafter(self.spec, self.template, self.matrix, latency, self.pairs, self.suffix)
+
+    def adopt_latency_table(self, table: LatencyTable) -> None:
+        """Price drafts by ``table`` from now on (the full table measured after start-up in place
+        of the provisional one); what was learned online against the old table starts over."""
+        self.drafter.budget.adopt_latency_table(table)
 
     @staticmethod
     def kv_scratch(settings: SpeculationSettings) -> int:

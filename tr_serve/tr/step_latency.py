@@ -63,6 +63,11 @@ class StepLatency:
             self.offsets[(rows, self.bucket(width))] = offset
         self.measured_rows = sorted({rows for rows, _, _ in table.row_offsets})
 
+    def adopt(self, table: LatencyTable) -> None:
+        """Price from ``table`` from now on; the offsets learned against the old table are
+        relative to it, so they start over from the new table's own."""
+        self.__init__(table, self.alpha, self.spike)
+
     @staticmethod
     def bucket(tokens: int) -> int:
         """1, 2, 3-4, 5-8, 9-16, 17-32, ...: a width of 16 and one of 17 fall apart, as the
