@@ -55,18 +55,18 @@ class StepLatency:
     measured ones (one row: none), proportional to rows past the last."""
 
     def __init__(self, table: LatencyTable, alpha: float = 0.2, spike: float = 1.5):
-        self.table = table
         self.alpha = alpha
         self.spike = spike
-        self.offsets: dict[tuple[int, int], float] = {}  # (rows, width bucket) -> seconds over the table
-        for rows, width, offset in table.row_offsets:
-            self.offsets[(rows, self.bucket(width))] = offset
-        self.measured_rows = sorted({rows for rows, _, _ in table.row_offsets})
+        self.adopt(table)
 
     def adopt(self, table: LatencyTable) -> None:
         """Price from ``table`` from now on; the offsets learned against the old table are
         relative to it, so they start over from the new table's own."""
-        self.__init__(table, self.alpha, self.spike)
+        self.table = table
+        self.offsets: dict[tuple[int, int], float] = {}  # (rows, width bucket) -> seconds over the table
+        for rows, width, offset in table.row_offsets:
+            self.offsets[(rows, self.bucket(width))] = offset
+        self.measured_rows = sorted({rows for rows, _, _ in table.row_offsets})
 
     @staticmethod
     def bucket(tokens: int) -> int:
