@@ -82,6 +82,15 @@ def _ingress(startup_wait_s: float):
     return ingress, handle, client
 
 
+async def _probe_until_health(ingress, client: httpx.AsyncClient, status: int) -> None:
+    """Probe the replicas now and wait (up to 5 s) for ``/health`` to answer ``status``."""
+    ingress._probe_now.set()
+    for _ in range(50):
+        if (await client.get("/health")).status_code == status:
+            return
+        await asyncio.sleep(0.1)
+
+
 def _assert_loading(r: httpx.Response) -> None:
     assert r.status_code == 503, r.text
     assert r.json()["error"]["code"] == "model_loading" and int(r.headers["retry-after"]) > 0
@@ -98,22 +107,14 @@ def test_until_the_first_replica_answers_models_and_health_agree_and_requests_ge
             _assert_loading(await client.post("/v1/completions", json=BODY))
             assert time.monotonic() - t0 < 1.0 and handle.requests == 0  # never sent to a replica
             handle.up = True
-            ingress._probe_now.set()
-            for _ in range(50):
-                if (await client.get("/health")).status_code == 200:
-                    break
-                await asyncio.sleep(0.1)
+            await _probe_until_health(ingress, client, 200)
             assert (await client.get("/health")).json() == {"status": "ok"}
             assert [c["id"] for c in (await client.get("/v1/models")).json()["data"]] == [MODEL]
             assert (await client.get(f"/v1/models/{MODEL}")).json()["id"] == MODEL
             assert (await client.post("/v1/completions", json=BODY)).json()["choices"][0]["text"] == "ok"
             # a started model that loses its replica stays listed; its requests get the usual fast 503
             handle.up = False
-            ingress._probe_now.set()
-            for _ in range(50):
-                if (await client.get("/health")).status_code == 503:
-                    break
-                await asyncio.sleep(0.1)
+            await _probe_until_health(ingress, client, 503)
             r = await client.post("/v1/completions", json=BODY)
             assert r.status_code == 503 and r.json()["error"]["code"] == "unavailable"
             assert (await client.get("/health")).json()["error"]["code"] == "unavailable"

@@ -215,13 +215,21 @@ class MatrixSync:
             self.metrics.snapshot_age.set(max(0.0, time.time() - self._adopted_published_at))
         return result
 
-    async def _adopt(self, actor) -> int | None:
+    async def _box(self, call) -> dict | None:
+        """What an actor method returned about its published object (``call``: ``actor.snapshot``
+        or ``actor.corpus_snapshot``), its epoch checked; None when the actor is unreachable (logged)."""
         try:
-            box = await self._rpc(actor.snapshot.remote())
+            box = await self._rpc(call.remote())
         except Exception as e:
             self._fail("actor_unreachable", e, drop_actor=True)
             return None
         self._check_epoch(box["epoch"])
+        return box
+
+    async def _adopt(self, actor) -> int | None:
+        box = await self._box(actor.snapshot)
+        if box is None:
+            return None
         version = int(box["version"])
         if version <= self._adopted_version:
             return self._adopted_version
@@ -260,12 +268,9 @@ class MatrixSync:
     async def _import_corpus(self, actor) -> int | None:
         """Fetch the fleet's suffix corpus and index the documents of other replicas this one has
         not, between steps; returns how many were indexed (None: failed, logged)."""
-        try:
-            box = await self._rpc(actor.corpus_snapshot.remote())
-        except Exception as e:
-            self._fail("actor_unreachable", e, drop_actor=True)
+        box = await self._box(actor.corpus_snapshot)
+        if box is None:
             return None
-        self._check_epoch(box["epoch"])
         corpus = await self._fetch_published(box)
         if corpus is None:
             return None
