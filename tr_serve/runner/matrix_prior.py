@@ -61,11 +61,12 @@ def prior_key(model, model_id: str, vocab: int, k: int, bos: int | None) -> str:
 
 
 @torch.inference_mode()
-def first_token_rows(model, vocab: int, k: int, bos: int | None,
-                     batch: int | Callable[[], int] = 512) -> Iterator[tuple[int, torch.Tensor]]:
-    """(start, rows [n, k] int32 on the CPU) for consecutive tokens ``start..start+n-1``: row t = the
-    model's k likeliest tokens after ``[bos, t]``. ``batch``: tokens per forward, or a function
-    asked before each forward (a deferred computation sizes its forwards to its slices).
+def first_token_logits(model, vocab: int, bos: int | None,
+                       batch: int | Callable[[], int] = 512) -> Iterator[tuple[int, torch.Tensor]]:
+    """(start, logits [n, vocab] float32 on the model's device) for consecutive tokens
+    ``start..start+n-1``: row t = the model's next-token logits after ``[bos, t]``. ``batch``: tokens
+    per forward, or a function asked before each forward (a deferred computation sizes its forwards
+    to its slices).
 
     Each forward is a one-token query per token over the BOS's cached keys and values (the BOS is
     run once), so the cost is one token's forward per vocabulary entry."""
@@ -87,8 +88,16 @@ def first_token_rows(model, vocab: int, k: int, bos: int | None,
             cache.batch_repeat_interleave(len(ids))
             positions = torch.ones(len(ids), 1, dtype=torch.long, device=device)
             logits = model(input_ids=ids[:, None], position_ids=positions, **cache_kwargs(model, cache)).logits[:, -1]
-        yield start, torch.topk(logits[:, :vocab].float(), k, dim=-1).indices.to("cpu", torch.int32)
+        yield start, logits[:, :vocab].float()
         start += len(ids)
+
+
+def first_token_rows(model, vocab: int, k: int, bos: int | None,
+                     batch: int | Callable[[], int] = 512) -> Iterator[tuple[int, torch.Tensor]]:
+    """(start, rows [n, k] int32 on the CPU) for consecutive tokens ``start..start+n-1``: row t = the
+    model's k likeliest tokens after ``[bos, t]`` (:func:`first_token_logits`, same ``batch``)."""
+    for start, logits in first_token_logits(model, vocab, bos, batch):
+        yield start, torch.topk(logits, k, dim=-1).indices.to("cpu", torch.int32)
 
 
 def first_token_top_k(model, vocab: int, k: int, bos: int | None, batch: int = 512) -> torch.Tensor:
