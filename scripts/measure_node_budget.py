@@ -46,6 +46,11 @@ def questions(per_category: int, warmup: int) -> tuple[list[dict], list[dict]]:
     return measured, warm[:warmup]
 
 
+def prompt_ids(tokenizer, row: dict) -> list[int]:
+    """A question's first turn as one user message through the chat template (as the bench encodes it)."""
+    return encode_prompt(tokenizer, [{"role": "user", "content": row["turns"][0]}])
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--nodes", type=int, nargs="+", default=[1, 2, 4, 8, 16, 0],
@@ -62,8 +67,7 @@ def main() -> None:
 
     measured, warm = questions(args.per_category, args.warmup)
     loaded = load_model("smollm2-135m-instruct")
-    prompts = {row["question_id"]: encode_prompt(loaded.tokenizer, [{"role": "user", "content": row["turns"][0]}])
-               for row in warm + measured}
+    prompts = {row["question_id"]: prompt_ids(loaded.tokenizer, row) for row in warm + measured}
     # as tr-serve bench sizes its engines: each one's KV cache holds one row of this many tokens
     max_model_len = max(2048, max(map(len, prompts.values())) + args.max_new_tokens + 1)
     variants: list[tuple[str, LLM]] = []

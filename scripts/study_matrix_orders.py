@@ -26,14 +26,13 @@ import argparse
 import heapq
 import pickle
 from collections import defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
 import numpy as np
 import torch
 
-from tr_serve.engine.prompt import encode_prompt
 from tr_serve.llm import LLM
 from tr_serve.model_loader import load_model
 from tr_serve.runner.matrix_prior import first_token_logits
@@ -58,7 +57,7 @@ class Trace:
 
 def make_traces(warmup: int, per_category: int, max_new_tokens: int) -> tuple[list[Trace], np.ndarray, np.ndarray]:
     """The warm-up and measured traces, and the prior's rows with their probabilities."""
-    from measure_node_budget import questions  # beside this file; imported when traces are made
+    from measure_node_budget import prompt_ids, questions  # beside this file; imported when traces are made
 
     measured, warm = questions(per_category, warmup)
     loaded = load_model("smollm2-135m-instruct")
@@ -73,7 +72,7 @@ def make_traces(warmup: int, per_category: int, max_new_tokens: int) -> tuple[li
     llm = LLM(tree="none", loaded=loaded, max_num_seqs=1, max_model_len=2048)
     traces = []
     for row in warm + measured:
-        ids = encode_prompt(tok, [{"role": "user", "content": row["turns"][0]}])
+        ids = prompt_ids(tok, row)
         out = llm.generate([ids], SamplingParams(max_tokens=max_new_tokens))[0].token_ids
         seq = list(ids) + list(out)
         with torch.inference_mode():
@@ -82,21 +81,17 @@ def make_traces(warmup: int, per_category: int, max_new_tokens: int) -> tuple[li
     return traces, prior_ids, prior_probs
 
 
-@dataclass
 class Rows:
     """The matrix as the study replays it: each token's K candidates, their probabilities when
     written, the streak of unchanged first candidates; with ``aggregate`` (decay, power) a row
     holds the K best of scores summed over sightings instead of the last sighting's top-k."""
 
-    ids: np.ndarray
-    probs: np.ndarray
-    aggregate: tuple[float, float] | None = None
-    streak: np.ndarray = field(init=False)
-    scores: dict[int, dict[int, float]] = field(default_factory=dict)
-
-    def __post_init__(self) -> None:
-        self.prior = (self.ids.copy(), self.probs.copy())
+    def __init__(self, prior: tuple[np.ndarray, np.ndarray], aggregate: tuple[float, float] | None = None):
+        self.prior = prior  # (ids, probs) [vocab, K], read only: an aggregate's first scores
+        self.ids, self.probs = prior[0].copy(), prior[1].copy()
+        self.aggregate = aggregate
         self.streak = np.zeros(len(self.ids), np.int64)
+        self.scores: dict[int, dict[int, float]] = {}
 
     def recycle(self, token: int, ids: np.ndarray, probs: np.ndarray) -> None:
         self.streak[token] = self.streak[token] + 1 if self.ids[token, 0] == ids[0] else 0
@@ -125,7 +120,7 @@ def replay(traces: list[Trace], prior: tuple[np.ndarray, np.ndarray], choose: Ch
            aggregate: tuple[float, float] | None = None, observe: Observe | None = None) -> float:
     """MAT of ``choose`` over the measured traces, decoded step by step; ``observe`` sees every
     step's nodes as {node: (on the accepted path, its parent's token)}."""
-    rows = Rows(prior[0].copy(), prior[1].copy(), aggregate)
+    rows = Rows(prior, aggregate)
     steps = tokens = 0
     for trace in traces:
         t, end = trace.prompt_len - 1, len(trace.tokens) - 1
