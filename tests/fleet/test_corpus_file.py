@@ -4,6 +4,8 @@ refusal, with the reason, of bad or foreign files; the newest good file is the o
 from __future__ import annotations
 
 import logging
+import os
+import stat
 
 import numpy as np
 import pyarrow as pa
@@ -11,7 +13,7 @@ import pytest
 
 from tr_serve.fleet.corpus import DocumentBatch, FleetCorpus
 from tr_serve.fleet.corpus_file import FORMAT, PREFIX, load_newest_corpus, read_corpus, write_corpus
-from tr_serve.fleet.snapshot import Identity, SnapshotRefused, remove_stale_temp_files, snapshot_files
+from tr_serve.fleet.snapshot import MAX_SNAPSHOT_BYTES, Identity, SnapshotRefused, remove_stale_temp_files, snapshot_files
 
 V = 50
 ID = Identity("model-a", V, 4, "f" * 64, "fleet-1")
@@ -147,3 +149,32 @@ def test_truncated_or_garbage_files_never_crash_and_the_next_one_loads(tmp_path,
     assert any("refusing suffix corpus snapshot" in r.getMessage() and bad.name in r.getMessage()
                for r in caplog.records)
     assert load_newest_corpus(tmp_path / "missing", ID) is None
+
+
+def test_files_are_0600_and_the_folders_made_for_them_0700(tmp_path):
+    old = os.umask(0o022)
+    try:
+        folder = tmp_path / "root" / "fleet-1"
+        path = write_corpus(folder, some_corpus(), ID)
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    assert stat.S_IMODE(folder.stat().st_mode) == 0o700 and stat.S_IMODE(folder.parent.stat().st_mode) == 0o700
+
+
+def test_an_oversized_file_is_refused_unread_and_the_next_one_loads(tmp_path, caplog):
+    good = write_corpus(tmp_path, some_corpus(2), ID, now=1000.0)
+    big = tmp_path / f"{PREFIX}{int(2000 * 1e9):020d}-s0000000009.arrow"
+    with open(big, "wb") as f:
+        f.truncate(MAX_SNAPSHOT_BYTES + 1)  # sparse: no disk used, and reading it would take 1 GiB
+    with pytest.raises(SnapshotRefused, match=f"{MAX_SNAPSHOT_BYTES + 1} bytes, over the {MAX_SNAPSHOT_BYTES}"):
+        read_corpus(big, ID)
+    size = good.stat().st_size
+    with pytest.raises(SnapshotRefused, match="not read"):
+        read_corpus(good, ID, max_bytes=size - 1)
+    assert len(read_corpus(good, ID, max_bytes=size)) == 2
+    with caplog.at_level(logging.WARNING, logger="tr_serve.fleet"):
+        batch, path = load_newest_corpus(tmp_path, ID)
+    assert path == good and len(batch) == 2
+    assert any("refusing suffix corpus snapshot" in r.getMessage() and big.name in r.getMessage()
+               for r in caplog.records)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import stat
 
 import numpy as np
 import pyarrow as pa
@@ -12,9 +13,9 @@ import pytest
 from tr_serve.fleet import FleetSyncConfig
 from tr_serve.fleet.config import model_key
 from tr_serve.fleet.merge import EMPTY
-from tr_serve.fleet.snapshot import (FORMAT, Identity, MatrixState, SnapshotRefused, load_newest, read_snapshot,
-                                     remove_stale_temp_files, snapshot_files, tokenizer_fingerprint,
-                                     write_snapshot)
+from tr_serve.fleet.snapshot import (FORMAT, MAX_SNAPSHOT_BYTES, Identity, MatrixState, SnapshotRefused, load_newest,
+                                     matrix_file_cap, read_snapshot, remove_stale_temp_files, snapshot_files,
+                                     tokenizer_fingerprint, write_snapshot)
 
 V, K = 50, 4
 ID = Identity("model-a", V, K, "f" * 64, "default")
@@ -165,3 +166,49 @@ def test_config_defaults_and_folders(tmp_path, monkeypatch):
         FleetSyncConfig(sync_interval_s=0)
     with pytest.raises(ValueError):
         FleetSyncConfig(unknown=1)
+
+
+def test_files_are_0600_and_the_folders_made_for_them_0700(tmp_path):
+    old = os.umask(0o022)  # a usual umask would leave 0644 files and 0755 folders
+    try:
+        folder = tmp_path / "root" / "model" / "default"
+        path = write_snapshot(folder, some_state(), ID, version=1)
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    for made in (folder, folder.parent, folder.parent.parent):
+        assert stat.S_IMODE(made.stat().st_mode) == 0o700, made
+
+
+def test_an_oversized_file_is_refused_unread_and_the_next_one_loads(tmp_path, monkeypatch, caplog):
+    good = write_snapshot(tmp_path, some_state(1), ID, version=3, now=1000.0)
+    cap = matrix_file_cap(V, K)
+    assert good.stat().st_size < cap <= MAX_SNAPSHOT_BYTES
+    big = tmp_path / f"matrix-{int(2000 * 1e9):020d}-v0000000004.arrow"
+    with open(big, "wb") as f:
+        f.truncate(cap + 1)  # sparse: no disk used
+    opened = []
+    real_open = open
+
+    def spy(file, *args, **kwargs):
+        opened.append(str(file))
+        return real_open(file, *args, **kwargs)
+
+    monkeypatch.setattr("builtins.open", spy)
+    with pytest.raises(SnapshotRefused, match=f"{cap + 1} bytes, over the {cap}"):
+        read_snapshot(big, ID)
+    assert str(big) not in opened  # refused on its size alone
+    with caplog.at_level(logging.WARNING, logger="tr_serve.fleet"):
+        state, meta, path = load_newest(tmp_path, ID)
+    assert path == good and meta.version == 3
+    assert any("refusing matrix snapshot" in r.getMessage() and big.name in r.getMessage() for r in caplog.records)
+
+
+def test_the_matrix_cap_fits_a_full_matrix_and_stays_under_the_global_one(tmp_path):
+    full = MatrixState.empty(V, K)
+    full.cands[:] = 0
+    full.scores[:] = 1.0
+    path = write_snapshot(tmp_path, full, ID, version=1)
+    assert path.stat().st_size < matrix_file_cap(V, K)
+    assert read_snapshot(path, ID)[1].rows == V
+    assert matrix_file_cap(10**9, 64) == MAX_SNAPSHOT_BYTES

@@ -11,10 +11,11 @@ File ``corpus-<created ns>-s<last seq>.arrow`` holds every document of the corpu
 and schema metadata ``tr_serve.format``, ``model_id``, ``namespace`` (the fleet's), ``vocab_size``,
 ``tokenizer_fingerprint``, ``last_seq``, ``created_at``, ``documents``, ``tokens``.
 
-Written as the matrix's are (fleet/snapshot.py: temp file, fsync, rename; the ``keep`` newest
-kept). Reading refuses (with the reason, :class:`SnapshotRefused`) a file that is unreadable, of
-another format, model, tokenizer, vocabulary or fleet namespace (tenants' text never crosses
-fleets), or whose columns disagree with each other or with its metadata, or hold token ids outside
+Written as the matrix's are (fleet/snapshot.py: temp file created 0600, fsync, rename, in folders
+created 0700; the ``keep`` newest kept). Reading refuses (with the reason, :class:`SnapshotRefused`)
+a file larger than ``max_bytes`` (default :data:`MAX_SNAPSHOT_BYTES`) without reading it, or one
+that is unreadable, of another format, model, tokenizer, vocabulary or fleet namespace (tenants'
+text never crosses fleets), or whose columns disagree with each other or with its metadata, or hold token ids outside
 the vocabulary; :func:`load_newest_corpus` logs that and tries the next file.
 """
 
@@ -27,8 +28,8 @@ from pathlib import Path
 import numpy as np
 
 from tr_serve.fleet.corpus import DocumentBatch
-from tr_serve.fleet.snapshot import (Identity, SnapshotRefused, newest_accepted, open_checked, prune,
-                                     write_table_atomically)
+from tr_serve.fleet.snapshot import (MAX_SNAPSHOT_BYTES, Identity, SnapshotRefused, newest_accepted, open_checked,
+                                     private_folder, prune, write_table_atomically)
 
 logger = logging.getLogger("tr_serve.fleet")
 
@@ -42,8 +43,7 @@ def write_corpus(folder: Path, batch: DocumentBatch, identity: Identity, keep: i
     keep only the ``keep`` newest corpus files. Returns the new file."""
     import pyarrow as pa
 
-    folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
+    folder = private_folder(folder)
     created = time.time() if now is None else now
     last_seq = int(batch.seqs[-1]) if len(batch) else 0
     meta = {
@@ -70,11 +70,12 @@ def write_corpus(folder: Path, batch: DocumentBatch, identity: Identity, keep: i
     return final
 
 
-def read_corpus(path: Path, expect: Identity) -> DocumentBatch:
-    """Load one corpus snapshot for ``expect``; raises :class:`SnapshotRefused` with the reason."""
+def read_corpus(path: Path, expect: Identity, max_bytes: int = MAX_SNAPSHOT_BYTES) -> DocumentBatch:
+    """Load one corpus snapshot for ``expect``; raises :class:`SnapshotRefused` with the reason (a
+    file over ``max_bytes`` is refused unread)."""
     import pyarrow as pa
 
-    table, meta = open_checked(path, expect, FORMAT, fleet_namespace=True)
+    table, meta = open_checked(path, expect, FORMAT, fleet_namespace=True, max_bytes=max_bytes)
     vocab = expect.vocab_size
     try:
         last_seq, ndocs, ntokens = int(meta["last_seq"]), int(meta["documents"]), int(meta["tokens"])
@@ -107,10 +108,11 @@ def read_corpus(path: Path, expect: Identity) -> DocumentBatch:
     return batch
 
 
-def load_newest_corpus(folder: Path, expect: Identity) -> tuple[DocumentBatch, Path] | None:
+def load_newest_corpus(folder: Path, expect: Identity,
+                       max_bytes: int = MAX_SNAPSHOT_BYTES) -> tuple[DocumentBatch, Path] | None:
     """The newest corpus snapshot of ``folder`` that :func:`read_corpus` accepts (refused files
     logged and skipped). ``None`` when there is none: start with an empty corpus."""
-    found = newest_accepted(folder, PREFIX, lambda path: read_corpus(path, expect), "suffix corpus")
+    found = newest_accepted(folder, PREFIX, lambda path: read_corpus(path, expect, max_bytes), "suffix corpus")
     if found is not None:
         batch, path = found
         logger.info("loaded suffix corpus snapshot %s (%d documents, %d tokens)", path, len(batch), batch.num_tokens)

@@ -11,9 +11,12 @@ and schema metadata ``tr_serve.format``, ``model_id``, ``namespace``, ``vocab_si
 ``tokenizer_fingerprint``, ``version``, ``created_at``, ``rows``.
 
 Writes go to a hidden temporary file in the same folder, fsynced, then ``os.replace``-d into
-place, so a reader sees a whole file or none. Reading refuses (with the reason) a file that is
-unreadable, of another format, model, tokenizer, vocabulary size or K, or whose contents are out
-of range; :func:`load_newest` logs that and tries the next file.
+place, so a reader sees a whole file or none. Files are created 0600, and the folders this module
+creates 0700 (whatever the umask): the files hold what tenants' requests taught the fleet. Reading
+refuses (with the reason) a file larger than its cap (checked with ``os.stat``, before a byte is
+read: :func:`matrix_file_cap`, :data:`MAX_SNAPSHOT_BYTES`), unreadable, of another format, model,
+tokenizer, vocabulary size or K, or whose contents are out of range; :func:`load_newest` logs that
+and tries the next file.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import hashlib
 import json
 import logging
 import os
+import stat
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,6 +43,14 @@ FORMAT = "tr_serve.matrix/1"
 PREFIX = "matrix-"  # snapshot file names: the matrix's; fleet/corpus_file.py has its own
 _SUFFIX = ".arrow"
 _TMP_MARK = ".tmp-"
+FILE_MODE = 0o600  # snapshot files: owner only
+DIR_MODE = 0o700  # folders created for them: owner only
+# No snapshot file is read past this size, whatever it claims to hold (the corpus's files are held to
+# it; a matrix file to the tighter matrix_file_cap of its vocabulary and K).
+MAX_SNAPSHOT_BYTES = 1 << 30
+# A matrix file's bytes per row (row id, K candidates, K scores, stamp) are 4 + 8 K + 8; the cap
+# allows twice that for every row of the vocabulary, plus the Arrow framing and metadata.
+_MATRIX_FILE_SLACK = 1 << 20
 
 
 class SnapshotRefused(Exception):
@@ -87,6 +99,25 @@ def tokenizer_fingerprint(tokenizer) -> str:
     return hashlib.sha256(json.dumps(items, ensure_ascii=False, separators=(",", ":")).encode()).hexdigest()
 
 
+def matrix_file_cap(vocab_size: int, k: int) -> int:
+    """The largest matrix snapshot file read for a ``vocab_size`` x ``k`` matrix: twice the bytes
+    of a file with every row filled, plus 1 MiB (never above :data:`MAX_SNAPSHOT_BYTES`)."""
+    return min(MAX_SNAPSHOT_BYTES, 2 * vocab_size * (4 + 8 * k + 8) + _MATRIX_FILE_SLACK)
+
+
+def private_folder(folder: Path) -> Path:
+    """``folder``, created if absent with any missing folder above it, each of them 0700 whatever the
+    umask. A folder that exists already keeps its mode."""
+    folder = Path(os.path.abspath(folder))
+    for part in [*reversed(folder.parents), folder]:
+        try:
+            part.mkdir(mode=DIR_MODE)
+        except FileExistsError:
+            continue
+        os.chmod(part, DIR_MODE)
+    return folder
+
+
 def snapshot_files(folder: Path, prefix: str = PREFIX) -> list[Path]:
     """Snapshot files of a folder (``prefix``: the matrix's, or the suffix corpus's), newest first
     (names sort by creation time)."""
@@ -104,8 +135,7 @@ def write_snapshot(folder: Path, state: MatrixState, identity: Identity, version
     ``keep`` newest snapshot files. Returns the new file."""
     import pyarrow as pa
 
-    folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
+    folder = private_folder(folder)
     created = time.time() if now is None else now
     vocab, k = state.cands.shape
     if (vocab, k) != (identity.vocab_size, identity.k):
@@ -136,18 +166,31 @@ def write_snapshot(folder: Path, state: MatrixState, identity: Identity, version
 
 
 def write_table_atomically(folder: Path, name: str, table) -> Path:
-    """Write an Arrow table as the IPC file ``folder/name``: a hidden temporary file, fsynced, then
-    renamed, so that a reader sees a whole file or none."""
+    """Write an Arrow table as the IPC file ``folder/name``: a hidden temporary file created 0600,
+    fsynced, then renamed, so that a reader sees a whole file or none."""
     import pyarrow as pa
 
     final = folder / name
     tmp = folder / f".{name}{_TMP_MARK}{os.getpid()}"
+    sink = pa.BufferOutputStream()
+    with pa.ipc.new_file(sink, table.schema) as writer:
+        writer.write_table(table)
+    data = sink.getvalue()
     try:
-        with pa.OSFile(str(tmp), "wb") as sink:
-            with pa.ipc.new_file(sink, table.schema) as writer:
-                writer.write_table(table)
-        with open(tmp, "rb") as f:
-            os.fsync(f.fileno())
+        tmp.unlink()  # left by a write of this process that died; the name is this process's own
+    except FileNotFoundError:
+        pass
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), FILE_MODE)
+    try:
+        try:
+            os.fchmod(fd, FILE_MODE)  # exactly 0600, whatever the umask
+            with memoryview(data) as view:
+                written = 0
+                while written < len(view):
+                    written += os.write(fd, view[written:])
+            os.fsync(fd)
+        finally:
+            os.close(fd)
         os.replace(tmp, final)
     except BaseException:
         try:
@@ -197,14 +240,28 @@ def remove_stale_temp_files(folder: Path, prefixes: tuple[str, ...] = (PREFIX,))
         pass
 
 
-def open_checked(path: Path, expect: Identity, file_format: str, fleet_namespace: bool = False):
+def open_checked(path: Path, expect: Identity, file_format: str, fleet_namespace: bool = False,
+                 max_bytes: int = MAX_SNAPSHOT_BYTES):
     """(table, metadata) of one Arrow IPC snapshot file of ``file_format`` made for ``expect``'s
     model, tokenizer and vocabulary (and, with ``fleet_namespace``, its fleet namespace); raises
-    :class:`SnapshotRefused` with the reason. The caller checks its own fields and columns."""
+    :class:`SnapshotRefused` with the reason. A file larger than ``max_bytes`` (and
+    :data:`MAX_SNAPSHOT_BYTES`) is refused unread. The caller checks its own fields and columns."""
     import pyarrow as pa
 
+    limit = min(max_bytes, MAX_SNAPSHOT_BYTES)
     try:
-        data = Path(path).read_bytes()  # owned bytes: nothing refers to the file afterwards
+        st = os.stat(path)
+    except OSError as e:
+        raise SnapshotRefused(f"cannot stat it ({type(e).__name__}: {e})") from None
+    if not stat.S_ISREG(st.st_mode):
+        raise SnapshotRefused("not a regular file")
+    if st.st_size > limit:
+        raise SnapshotRefused(f"it is {st.st_size} bytes, over the {limit} a snapshot may have: not read")
+    try:
+        with open(path, "rb") as f:  # owned bytes: nothing refers to the file afterwards
+            data = f.read(limit + 1)
+        if len(data) > limit:  # grew after the stat
+            raise SnapshotRefused(f"it is over the {limit} bytes a snapshot may have: not read")
         reader = pa.ipc.open_file(pa.BufferReader(data))
         schema = reader.schema
         table = reader.read_all()
@@ -249,7 +306,7 @@ def read_snapshot(path: Path, expect: Identity) -> tuple[MatrixState, SnapshotMe
     """Load one snapshot for ``expect``; raises :class:`SnapshotRefused` with the reason."""
     import pyarrow as pa
 
-    table, meta = open_checked(path, expect, FORMAT)
+    table, meta = open_checked(path, expect, FORMAT, max_bytes=matrix_file_cap(expect.vocab_size, expect.k))
     vocab = expect.vocab_size
     try:
         k, version = int(meta["k"]), int(meta["version"])
