@@ -113,6 +113,9 @@ class TRServeConfig(BaseModel):
     # ---- HTTP API ---------------------------------------------------------------------------
     api_keys: list[SecretStr] = Field(default_factory=list,
                                       description=f"Bearer keys; also {API_KEYS_ENV} (comma-separated)")
+    allow_unauthenticated: bool = Field(
+        default=False, description="let `tr-serve run` start with no API key configured while Serve's HTTP host "
+                                   "is not loopback (the API is then open to whoever reaches the port)")
     ingress: IngressConfig = Field(default_factory=IngressConfig)
     max_prompt_chars: Optional[int] = Field(
         default=None, ge=1, description="characters of prompt text a request may carry, checked before tokenizing; "

@@ -21,6 +21,11 @@ the cluster either. The token comes from ``RAY_AUTH_TOKEN``, or the file ``RAY_A
 readable by others is tightened to 0600). Ray's CLI (``ray status``, ``serve status``) finds the
 same file. With ``--address`` the cluster's own settings apply.
 
+It fails closed: when Serve's HTTP host (``http_options.host``; Serve's config default is 0.0.0.0)
+is not a loopback address, it refuses to start, in one line, unless every application has an API
+key (``api_keys`` or ``tenants`` in its args, or ``TR_SERVE_API_KEYS`` where ``tr-serve run`` runs,
+which the local Ray's replicas inherit) or says ``allow_unauthenticated: true`` in its args.
+
 The local Ray runs in a session of its own: ``tr-serve run`` starts a second copy of itself in a new
 session (so a new process group) that starts Ray and drains, and the first copy only forwards it
 SIGINT and SIGTERM and returns its exit status. A signal to the whole process group (``kill --
@@ -37,6 +42,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import ipaddress
 import os
 import secrets
 import signal
@@ -91,6 +97,50 @@ def ensure_token() -> str:
         f.write(secrets.token_hex(32))  # Ray's own format: 256 bits, hex
     log(f"generated a Ray cluster token in {path} (mode 0600)")
     return str(path)
+
+
+# ---- fail closed ---------------------------------------------------------------------------
+def is_loopback(host: str) -> bool:
+    """Whether a listen address is loopback only: ``localhost`` or a loopback IP (127.0.0.0/8, ::1).
+    Nothing is resolved; any other name, the wildcard addresses and an empty host are not."""
+    host = (host or "").strip().lower()
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    if host in ("localhost", "localhost.") or host.endswith(".localhost"):
+        return True
+    try:
+        return ipaddress.ip_address(host.split("%", 1)[0]).is_loopback
+    except ValueError:
+        return False
+
+
+def _has_key(args: dict) -> bool:
+    keys = list(args.get("api_keys") or [])
+    tenants = args.get("tenants") or {}
+    if isinstance(tenants, dict):
+        keys += [k for ks in tenants.values() for k in (ks or [])]
+    return any(isinstance(k, str) and k.strip() for k in keys)
+
+
+def auth_refusal(host: str, app_args: dict[str, dict], environ=None) -> str | None:
+    """Why ``tr-serve run`` must not start (one line), or None: Serve's HTTP proxy would listen on
+    ``host``, not loopback, while an application (name -> args) has no API key (``api_keys`` or
+    ``tenants`` in its args, or ``TR_SERVE_API_KEYS`` in ``environ``) and does not say
+    ``allow_unauthenticated: true``."""
+    from tr_serve.serve.config import API_KEYS_ENV
+
+    if is_loopback(host):
+        return None
+    environ = os.environ if environ is None else environ
+    if any(k.strip() for k in environ.get(API_KEYS_ENV, "").split(",")):
+        return None
+    open_apps = [name for name, args in app_args.items()
+                 if not _has_key(args or {}) and (args or {}).get("allow_unauthenticated") is not True]
+    if not open_apps:
+        return None
+    return (f"refusing to start: HTTP host {host or '(empty)'} is not loopback and no API key is configured for "
+            f"{', '.join(open_apps)}: set {API_KEYS_ENV} or api_keys, or allow_unauthenticated: true in the "
+            "app's args to serve it open")
 
 
 # ---- drain -----------------------------------------------------------------------------------
@@ -244,6 +294,9 @@ def run(args) -> int:
     with open(args.config) as f:
         config = ServeDeploySchema.model_validate(yaml.safe_load(f))
     app_args = {app.name: dict(app.args or {}) for app in config.applications}
+    refusal = auth_refusal(config.http_options.host, app_args)
+    if refusal:
+        raise SystemExit(f"tr-serve run: {refusal}")
 
     import ray
     from ray import serve
