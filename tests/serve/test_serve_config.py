@@ -253,6 +253,7 @@ def test_error_middleware_rewrites_plain_text_errors_and_keeps_retry_after():
     from starlette.testclient import TestClient
 
     from tr_serve.serve.http_edge import APIKeyMiddleware, OpenAIErrorMiddleware
+    from tr_serve.serve.tenants import TenantDirectory
 
     async def busy(request):  # what Serve's own BackPressureError handler sends
         return Response("Request dropped due to backpressure (num_queued_requests=16, max_queued_requests=16).",
@@ -265,7 +266,7 @@ def test_error_middleware_rewrites_plain_text_errors_and_keeps_retry_after():
         return PlainTextResponse("fine")
 
     app = Starlette(routes=[Route("/busy", busy), Route("/boom", boom), Route("/ok", text), Route("/health", text)])
-    client = TestClient(OpenAIErrorMiddleware(APIKeyMiddleware(app, keys=["k"])), raise_server_exceptions=False)
+    client = TestClient(OpenAIErrorMiddleware(APIKeyMiddleware(app, TenantDirectory.from_config(["k"], {}, "tenant"))), raise_server_exceptions=False)
     auth = {"Authorization": "Bearer k"}
     r = client.get("/busy", headers=auth)
     assert r.status_code == 429 and r.headers["retry-after"] == "2"

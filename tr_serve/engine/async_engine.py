@@ -20,7 +20,8 @@ from tr_serve.engine.config import EngineConfig
 from tr_serve.engine.core import EngineCore
 from tr_serve.engine.openmp import release_thread_openmp_pool
 from tr_serve.engine.prompt import check_prompt
-from tr_serve.engine.request import RequestOutput
+from tr_serve.engine.request import FinishReason, RequestOutput
+from tr_serve.engine.request_context import RequestContext
 from tr_serve.engine.scheduler import EngineLoad
 from tr_serve.sampling_params import SamplingParams
 
@@ -32,6 +33,15 @@ logger = logging.getLogger(__name__)
 
 class EngineDeadError(RuntimeError):
     """The step loop failed; the engine serves nothing more and its owner should be replaced."""
+
+
+class RequestFailedError(RuntimeError):
+    """One request failed inside the engine (the log has the traceback); the others go on. The
+    message names the request id only: an exception's text may hold another request's data."""
+
+    def __init__(self, request_id: str):
+        super().__init__(f"request {request_id} failed inside the engine")
+        self.request_id = request_id
 
 
 @dataclass
@@ -70,8 +80,9 @@ class AsyncEngine:
         """Raise now, in the caller, for a request that can never be served."""
         check_prompt(prompt_ids, self.config.max_model_len)
 
-    async def generate(self, prompt_ids: list[int], params: SamplingParams, request_id: str) -> AsyncIterator[RequestOutput]:
-        """Yields outputs with the new text/tokens of each step; the last one has ``finished``.
+    async def generate(self, prompt_ids: list[int], params: SamplingParams, request_id: str,
+                       context: RequestContext | None = None) -> AsyncIterator[RequestOutput]:
+        """``context``: the request's tenant and switches (None: the shared tenant). Yields outputs with the new text/tokens of each step; the last one has ``finished``.
         Leaving the iteration early (break, cancellation, client gone) aborts the request."""
         if self.error is not None:
             raise EngineDeadError(f"engine stopped after an error: {self.error}")
@@ -80,7 +91,7 @@ class AsyncEngine:
             raise ValueError(f"request id {request_id!r} is already in use")
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
         self._streams[request_id] = stream
-        self._commands.put(("add", request_id, prompt_ids, params))
+        self._commands.put(("add", request_id, prompt_ids, params, context))
         self._wake.set()
         finished = False
         try:
@@ -168,11 +179,14 @@ class AsyncEngine:
             except queue.Empty:
                 return
             if cmd[0] == "add":
-                _, request_id, prompt_ids, params = cmd
+                _, request_id, prompt_ids, params, context = cmd
                 try:
-                    self.engine.add_request(prompt_ids, params, request_id=request_id)
+                    self.engine.add_request(prompt_ids, params, request_id=request_id, context=context)
                 except ValueError as e:
                     self._deliver(request_id, e)
+                except Exception as e:  # this request's fault alone: it fails, the engine goes on
+                    logger.exception("tr_serve: admitting request %s failed", request_id)
+                    self._deliver(request_id, RequestFailedError(request_id))
             elif cmd[0] == "abort":
                 self.engine.abort(cmd[1])
             elif cmd[0] == "call":
@@ -201,4 +215,7 @@ class AsyncEngine:
                     self._deliver(request_id, EngineDeadError(f"engine step failed: {e}"))
                 return
             for out in outputs:
-                self._deliver(out.request_id, out)
+                if out.finish_reason is FinishReason.ERROR:
+                    self._deliver(out.request_id, RequestFailedError(out.request_id))
+                else:
+                    self._deliver(out.request_id, out)

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 if TYPE_CHECKING:
     from tr_serve.engine.config import EngineConfig
     from tr_serve.engine.request import RequestOutput
+    from tr_serve.engine.request_context import RequestContext
     from tr_serve.engine.scheduler import EngineLoad
     from tr_serve.sampling_params import SamplingParams
     from tr_serve.tr.matrix import AdjacencyMatrix
@@ -52,8 +53,10 @@ class EngineHandle(Protocol):
 class EngineCore(EngineHandle, Protocol):
     """An engine stepped by its one caller (``AsyncEngine``'s step thread, ``LLM.generate``)."""
 
-    def add_request(self, prompt_ids: list[int], params: "SamplingParams", request_id: str | None = None) -> str:
-        """Queue a request; raises ValueError for one that can never be served."""
+    def add_request(self, prompt_ids: list[int], params: "SamplingParams", request_id: str | None = None,
+                    namespace: str | None = None, context: "RequestContext | None" = None) -> str:
+        """Queue a request (``context``: its tenant and switches); raises ValueError for one that
+        can never be served."""
 
     def step(self) -> list["RequestOutput"]:
         """One forward: a prefill chunk, or one draft tree per running request."""

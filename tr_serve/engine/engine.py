@@ -8,8 +8,10 @@ running request (one forward for the whole batch). Token Recycling lives behind 
 from __future__ import annotations
 
 import itertools
+import logging
 import time
-from typing import Callable
+from contextlib import contextmanager
+from typing import Callable, Iterator
 
 import torch
 
@@ -18,7 +20,8 @@ from tr_serve.engine.core import RemoteRunner
 from tr_serve.engine.detokenizer import IncrementalDetokenizer
 from tr_serve.engine.gc_heap import freeze_long_lived_heap
 from tr_serve.engine.prompt import check_prompt
-from tr_serve.engine.request import Request, RequestOutput
+from tr_serve.engine.request import FinishReason, Request, RequestOutput
+from tr_serve.engine.request_context import DEFAULT_CONTEXT, RequestContext
 from tr_serve.engine.scheduler import EngineLoad, PrefillChunk, Scheduler
 from tr_serve.engine.stopping import append_token
 from tr_serve.engine.timing import PhaseTimer
@@ -31,6 +34,19 @@ from tr_serve.sampling_params import SamplingParams
 from tr_serve.tr.speculator import AdjacencyMatrix, Speculator
 
 _ids = itertools.count()
+logger = logging.getLogger(__name__)
+
+
+@contextmanager
+def _fails_alone(req: Request) -> Iterator[None]:
+    """An exception in one request's own processing (its stop rules, detokenizer, suffix document)
+    finishes that request with ``FinishReason.ERROR``, logged with its traceback; the step goes on
+    for the others. The batched forward is not wrapped: its failure leaves every row's state unknown."""
+    try:
+        yield
+    except Exception:
+        logger.exception("tr_serve: request %s failed", req.request_id)
+        req.finish_reason = FinishReason.ERROR
 
 
 class Engine:
@@ -97,14 +113,17 @@ class Engine:
 
     # ---- requests -------------------------------------------------------------------------
     def add_request(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None,
-                    namespace: str | None = None) -> str:
-        """``namespace``: the request's tenant (None: the default one); the suffix index drafts for
-        it from the text of requests of the same namespace only."""
+                    namespace: str | None = None, context: RequestContext | None = None) -> str:
+        """``context``: the request's tenant and switches (engine/request_context.py; None: the
+        shared tenant, speculation and learning on); ``namespace``: the tenant alone, as a shorthand.
+        Only the shared tenant's requests teach the matrix every request drafts from; the suffix
+        index drafts for a tenant from its own requests' text only."""
+        if context is None:
+            context = RequestContext(tenant=namespace) if namespace is not None else DEFAULT_CONTEXT
         check_prompt(prompt_ids, self.config.max_model_len)
         req = Request(request_id or f"req-{next(_ids)}", list(prompt_ids), params,
                       IncrementalDetokenizer(self.tokenizer))
-        if namespace is not None:
-            req.namespace = namespace
+        req.request_context, req.namespace = context, context.tenant
         self.scheduler.add(req)  # ValueError for an id in use, before anything else is made for it
         if not params.greedy:
             req.sampler = RowSampler(params.temperature, params.top_k, params.top_p, request_seed(params.seed))
@@ -126,19 +145,27 @@ class Engine:
             self.speculator.admit(req)
         if self.scheduler.prefill_turn():
             batch = self._prefill(self.scheduler.prefill_chunks())
-            batch = [r for r in batch if r.output_ids]  # only requests whose prompt is complete
+            batch = [r for r in batch if r.output_ids or r.finished]  # prompt complete, or failed
         else:
             batch = self.scheduler.decode_batch()
             if not batch:
                 return []
             self._decode(batch)
-        outputs = [r.take_output() for r in batch]
+        outputs = [self._output(r) for r in batch]
         self._retire([r for r in batch if r.finished])
         return outputs
 
+    @staticmethod
+    def _output(req: Request) -> RequestOutput:
+        with _fails_alone(req):
+            if req.finish_reason is not FinishReason.ERROR:
+                return req.take_output()
+        return req.failed_output()
+
     def _retire(self, done: list[Request]) -> None:
         for req in done:
-            self.speculator.finish(req)
+            with _fails_alone(req):
+                self.speculator.finish(req)
         for row in self.scheduler.retire(done):
             self.runner.free(row)
 
@@ -165,7 +192,8 @@ class Engine:
             for i, req in enumerate(batch):
                 if req.num_prefilled == len(req.prompt_ids):
                     self.scheduler.start_decoding(req)
-                    append_token(req, int(out.last.choices[i]), self.eos_ids, self._context_full(req))
+                    with _fails_alone(req):
+                        append_token(req, int(out.last.choices[i]), self.eos_ids, self._context_full(req))
         return batch
 
     def _decode(self, batch: list[Request]) -> None:
@@ -183,14 +211,15 @@ class Engine:
             self.runner.compact(rows, acceptance.accepted_nodes)
         if self.speculator.uses_matrix:
             with self.timer.phase("recycle"):
-                self.speculator.recycle(draft, acceptance, out)
+                self.speculator.recycle(draft, acceptance, out, batch)
         with self.timer.phase("postprocess"):
             for req, emit, nodes in zip(batch, acceptance.emitted, draft.nodes_per_row()):
                 kept = 0  # tokens of this step that made it into the output (a stop cuts the rest)
-                for token in emit.tolist():
-                    kept += 1
-                    if append_token(req, token, self.eos_ids, self._context_full(req)):
-                        break
+                with _fails_alone(req):
+                    for token in emit.tolist():
+                        kept += 1
+                        if append_token(req, token, self.eos_ids, self._context_full(req)):
+                            break
                 req.stats.accepted_per_step.append(kept)
                 req.stats.dropped_at_stop = len(emit) - kept
                 req.stats.tree_nodes_per_step.append(nodes)

@@ -7,6 +7,7 @@ from enum import Enum
 from typing import TYPE_CHECKING
 
 from tr_serve.engine.detokenizer import IncrementalDetokenizer
+from tr_serve.engine.request_context import DEFAULT_CONTEXT, RequestContext
 from tr_serve.sampling_params import SamplingParams
 from tr_serve.tr.context_index import ContextIndex
 from tr_serve.tr.suffix_index import DEFAULT_NAMESPACE
@@ -19,6 +20,7 @@ class FinishReason(str, Enum):
     STOP = "stop"  # an EOS token or a stop string
     LENGTH = "length"  # max_tokens, or the model's context is full
     ABORT = "abort"
+    ERROR = "error"  # this request's own processing raised (engine.py); the others go on
 
 
 @dataclass
@@ -68,6 +70,7 @@ class Request:
     sampler: "RowSampler | None" = None  # how a sampled request draws (its seed included); None: greedy
     context: ContextIndex | None = None  # prompt + output index of the context branch (tr/context_index.py)
     namespace: str = DEFAULT_NAMESPACE  # the tenant: its text drafts for requests of the same namespace only
+    request_context: RequestContext = DEFAULT_CONTEXT  # tenant and per-request switches (engine/request_context.py)
     suffix_doc: int | None = None  # its document in the engine's suffix index (tr/suffix_index.py)
     suffix_fed: int = 0  # prompt + output tokens handed to that document so far
     _sent_chars: int = 0
@@ -88,6 +91,10 @@ class Request:
         if len(self.output_ids) > 1:
             return self.output_ids[-2]
         return self.prompt_ids[-1] if self.prompt_ids else -1
+
+    def failed_output(self) -> RequestOutput:
+        """The last output of a request that failed (``FinishReason.ERROR``): nothing of its text."""
+        return RequestOutput(self.request_id, "", [], True, self.finish_reason, RequestStats())
 
     def take_output(self) -> RequestOutput:
         """The output now, with the text and tokens new since the last call. While running, text

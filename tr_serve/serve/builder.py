@@ -41,7 +41,7 @@ def build_llm_deployment(config: TRServeConfig | dict, name_prefix: str = SERVER
     except (ValueError, TypeError) as e:  # Serve's own checks (placement group vs actor resources, ...)
         raise ConfigError("invalid tr_serve config: ray_actor_options / placement_group_bundles / Serve options "
                           f"of the model server are rejected: {e}") from None
-    return deployment.bind(config.model_copy(update={"api_keys": []}))  # keys stay at the edge
+    return deployment.bind(config.model_copy(update={"api_keys": [], "tenants": {}}))  # keys stay at the edge
 
 
 def build_openai_app(configs: Sequence[TRServeConfig | dict],
@@ -61,7 +61,12 @@ def build_openai_app(configs: Sequence[TRServeConfig | dict],
     servers = {c.served_model_id: build_llm_deployment(c) for c in configs}
     cards = {c.served_model_id: model_card(c.served_model_id, created, c.engine_kwargs.max_model_len, c.model)
              for c in configs}
-    keys = sorted(set(k for c in configs for k in c.resolved_api_keys()))
+    tenants: dict[str, list[str]] = {}
+    for c in configs:
+        for name, group in c.resolved_tenants().items():
+            tenants[name] = sorted(set(tenants.get(name, [])) | set(group))
+    grouped = {k for group in tenants.values() for k in group}
+    keys = sorted(set(k for c in configs for k in c.resolved_api_keys()) - grouped)
     limits = {"max_request_bytes": max(c.resolved_max_request_bytes() for c in configs),
               "max_json_depth": edge.max_json_depth, "drain_timeout_s": edge.drain_timeout_s,
               "startup_wait_s": edge.startup_wait_s,
@@ -70,7 +75,8 @@ def build_openai_app(configs: Sequence[TRServeConfig | dict],
         ingress = serve.deployment(OpenAIIngress).options(name=INGRESS_NAME, **edge.ingress_deployment_options())
     except (ValueError, TypeError) as e:
         raise ConfigError(f"invalid tr_serve config: ingress options are rejected: {e}") from None
-    return ingress.bind(llm_deployments=servers, model_cards=cards, api_keys=keys, limits=limits)
+    return ingress.bind(llm_deployments=servers, model_cards=cards, api_keys=keys, limits=limits,
+                        tenants=tenants, isolation=edge.isolation)
 
 
 def build_app(args: dict[str, Any]) -> Application:

@@ -4,7 +4,6 @@ OpenAI error body). No routes and no model here."""
 
 from __future__ import annotations
 
-import hmac
 import json
 import logging
 from typing import Any
@@ -12,9 +11,11 @@ from typing import Any
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from tr_serve.serve.protocol import APIError, echo, error_type_for
+from tr_serve.serve.tenants import TenantDirectory
 
 logger = logging.getLogger("ray.serve")
 
+TENANT_STATE = "tr_tenant"  # request.state key of the caller's tenant id
 HEALTH_ROUTES = frozenset({"/health"})  # the only routes served without an API key
 UNAVAILABLE_RETRY_AFTER_S = 5
 
@@ -43,33 +44,35 @@ def route_path(scope) -> str:
 
 class APIKeyMiddleware:
     """Pure ASGI: every route but the exact health routes needs ``Authorization: Bearer <key>``
-    when keys are set. Runs before the body is read, so an unauthenticated request learns nothing else."""
+    when keys are set. Runs before the body is read, so an unauthenticated request learns nothing
+    else. The key's tenant (serve/tenants.py) goes into the request's state as :data:`TENANT_STATE`."""
 
-    def __init__(self, app, keys: list[str], on_reject=None):
+    def __init__(self, app, tenants: TenantDirectory, on_reject=None):
         self.app = app
-        self.keys = [k.encode() for k in keys]
+        self.tenants = tenants
         self.on_reject = on_reject
 
-    def _ok(self, scope) -> bool:
+    def _tenant(self, scope) -> str | None:
         for name, value in scope.get("headers", ()):
             if name == b"authorization":
                 scheme, _, token = value.partition(b" ")
                 token = token.strip()
                 if scheme.lower() != b"bearer" or not token:
-                    return False
-                # compare against every key so the time does not depend on which one matched
-                return any([hmac.compare_digest(token, k) for k in self.keys])
-        return False
+                    return None
+                return self.tenants.tenant_of(token)
+        return None
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] == "http" and self.keys and route_path(scope) not in HEALTH_ROUTES \
-                and not self._ok(scope):
-            err = APIError(401, "missing or invalid API key: send 'Authorization: Bearer <key>'",
-                           "authentication_error", None, "invalid_api_key", {"WWW-Authenticate": "Bearer"})
-            if self.on_reject is not None:
-                self.on_reject(route_path(scope))
-            await error_response(err)(scope, receive, send)
-            return
+        if scope["type"] == "http" and route_path(scope) not in HEALTH_ROUTES:
+            tenant = self._tenant(scope)
+            if tenant is None:
+                err = APIError(401, "missing or invalid API key: send 'Authorization: Bearer <key>'",
+                               "authentication_error", None, "invalid_api_key", {"WWW-Authenticate": "Bearer"})
+                if self.on_reject is not None:
+                    self.on_reject(route_path(scope))
+                await error_response(err)(scope, receive, send)
+                return
+            scope.setdefault("state", {})[TENANT_STATE] = tenant
         await self.app(scope, receive, send)
 
 

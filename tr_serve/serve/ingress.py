@@ -46,8 +46,10 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from tr_serve.serve.protocol import (APIError, APIErrorException, ChatCompletionRequest, CompletionRequest,
                                      bad_request, check_json, echo, error_type_for, new_id, prompt_too_long,
                                      validation_error)
-from tr_serve.serve.http_edge import (APIKeyMiddleware, OpenAIErrorMiddleware, SSEResponse,
+from tr_serve.engine.request_context import DEFAULT_CONTEXT, SHARED_TENANT, RequestContext
+from tr_serve.serve.http_edge import (TENANT_STATE, APIKeyMiddleware, OpenAIErrorMiddleware, SSEResponse,
                                       error_response, sse_json)
+from tr_serve.serve.tenants import TenantDirectory
 from tr_serve.serve import refusals
 from tr_serve.serve.served_model import ServedModel
 from tr_serve.serve.server import ACCEPTED
@@ -85,7 +87,8 @@ class OpenAIIngress:
     ``max_prompt_chars`` per model)."""
 
     def __init__(self, llm_deployments: dict, model_cards: dict[str, dict], api_keys: Optional[list[str]] = None,
-                 limits: Optional[dict[str, Any]] = None):
+                 limits: Optional[dict[str, Any]] = None, tenants: Optional[dict[str, list[str]]] = None,
+                 isolation: str = "tenant"):
         from tr_serve.serve.config import env_api_keys
         from tr_serve.serve.metrics import IngressMetrics
 
@@ -98,7 +101,10 @@ class OpenAIIngress:
         self.drain_timeout_s = float(limits["drain_timeout_s"])
         self.startup_wait_s = float(limits["startup_wait_s"])
         # keys given at build time, plus the env var as this replica sees it
-        self.api_keys = sorted(set(api_keys or []) | set(env_api_keys()))
+        grouped = {k for keys in (tenants or {}).values() for k in keys}
+        self.api_keys = sorted((set(api_keys or []) | set(env_api_keys())) - grouped)
+        # each key's tenant (serve/tenants.py): a key of its own, or one of a declared group
+        self.tenants = TenantDirectory.from_config(self.api_keys, dict(tenants or {}), isolation)
         self.metrics = IngressMetrics()
         self.draining = False
         self.drain_started: float | None = None
@@ -258,7 +264,8 @@ class OpenAIIngress:
                 return self.refuse(body.model, endpoint, refusals.starting(model.name, waited))
         if not model.available:
             return self.refuse(body.model, endpoint, refusals.unavailable(model.reason))
-        return await self.generate(body, model, endpoint, method, id_prefix)
+        tenant = getattr(request.state, TENANT_STATE, SHARED_TENANT)  # no keys: one tenant
+        return await self.generate(body, model, endpoint, method, id_prefix, RequestContext(tenant=tenant))
 
     async def wait_started(self, model: ServedModel) -> float:
         """Wait up to ``startup_wait_s`` for the model's first replica (or a drain); the seconds waited."""
@@ -324,10 +331,11 @@ class OpenAIIngress:
         logger.exception("tr_serve: request to the model server failed")
         return APIError(500, f"internal error: {type(e).__name__}", "server_error")
 
-    async def generate(self, body, model: ServedModel, endpoint: str, method: str, id_prefix: str):
+    async def generate(self, body, model: ServedModel, endpoint: str, method: str, id_prefix: str,
+                       context: RequestContext = DEFAULT_CONTEXT):
         request_id = new_id(id_prefix)
         name = model.name
-        gen = getattr(model.stream_handle, method).remote(body, request_id)
+        gen = getattr(model.stream_handle, method).remote(body, request_id, context)
         self.in_flight += 1
         handed_over = False  # to the SSE response, which then owns gen and the in-flight count
         try:
@@ -391,8 +399,8 @@ class OpenAIIngress:
 def build_fastapi_app(ingress: OpenAIIngress) -> FastAPI:
     app = FastAPI(title="tr_serve", description="OpenAI-compatible API of a Token Recycling engine",
                   docs_url=None, redoc_url=None, openapi_url=None)
-    if ingress.api_keys:
-        app.add_middleware(APIKeyMiddleware, keys=ingress.api_keys,
+    if ingress.tenants:
+        app.add_middleware(APIKeyMiddleware, tenants=ingress.tenants,
                            on_reject=lambda path: ingress.count("", path, 401))
     app.add_middleware(OpenAIErrorMiddleware)  # added last: the outermost
 

@@ -12,12 +12,15 @@ string gets into an error message: cut to ``ECHO_CHARS`` characters, anything un
 
 from __future__ import annotations
 
+import dataclasses
 import time
 import uuid
 from dataclasses import dataclass, field
 from typing import Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr
+
+from tr_serve.engine.request_context import RequestContext
 
 _INT64_MAX = 2**63 - 1
 ECHO_CHARS = 64  # most characters of a user-supplied string an error message repeats
@@ -181,6 +184,17 @@ class ChatMessage(_Strict):
         return "".join(p.text or "" for p in self.content)
 
 
+class TROptions(BaseModel):
+    """The request's ``tr`` extension object: switches of its own that can only take away.
+    ``speculation: "off"`` decodes it plainly (the same output); ``learn: false`` keeps its prompt
+    and output out of every index and matrix row."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    speculation: Literal["on", "off"] = "on"
+    learn: bool = True
+
+
 class _SamplingFields(_Strict):
     """Fields common to both endpoints."""
 
@@ -198,6 +212,14 @@ class _SamplingFields(_Strict):
     presence_penalty: Optional[float] = None
     logit_bias: Optional[dict[str, Any]] = None
     user: Optional[StrictStr] = None
+    tr: Optional[TROptions] = None  # tr_serve extension
+
+    def request_context(self, base: RequestContext) -> RequestContext:
+        """``base`` (the caller's tenant, from the ingress) with this body's ``tr`` switches."""
+        if self.tr is None:
+            return base
+        return dataclasses.replace(base, speculation=base.speculation and self.tr.speculation == "on",
+                                   learn=base.learn and self.tr.learn)
 
     def unsupported(self) -> APIError | None:
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or ())

@@ -25,6 +25,7 @@ import time
 from contextlib import aclosing
 from typing import Any, AsyncIterator, Union
 
+from tr_serve.engine.request_context import DEFAULT_CONTEXT, RequestContext
 from tr_serve.serve.config import TRServeConfig
 from tr_serve.serve.prepare import OpenAIRequest, PreparedRequest, prepare_request
 from tr_serve.serve.protocol import (APIError, ChatCompletionRequest, CompletionRequest, bad_request, now,
@@ -36,6 +37,13 @@ logger = logging.getLogger("ray.serve")
 ACCEPTED = "tr_serve:accepted"  # first item of every request generator: a live replica has it
 STARTUP_SLICE_S = 0.25  # deferred start-up work runs in slices of about this long (a request waits at most one)
 STARTUP_BUSY_SHARE = 0.1  # while requests run, start-up work takes at most this share of the step thread
+
+
+def _request_failed(request_id: str) -> APIError:
+    """The 500 of one request that failed: its id, never the exception's text (which may hold
+    another request's data); the replica's log has the traceback under that id."""
+    return APIError(500, f"internal error while serving request {request_id}; the server log has the details "
+                         "under this id", "server_error", code="request_failed")
 
 
 class LLMServer:
@@ -153,26 +161,36 @@ class LLMServer:
                 "startup_work": self.startup.status(),
                 "fleet": self.fleet.stats() if getattr(self, "fleet", None) is not None else None}
 
-    async def completions(self, request: CompletionRequest, request_id: str) -> AsyncIterator:
-        """``ACCEPTED``, then the chunks (``request.stream``) or the full response, or an APIError."""
+    async def completions(self, request: CompletionRequest, request_id: str,
+                          context: RequestContext | None = None) -> AsyncIterator:
+        """``ACCEPTED``, then the chunks (``request.stream``) or the full response, or an APIError.
+        ``context``: the caller's tenant and switches, made by the ingress (engine/request_context.py)."""
         yield ACCEPTED
-        async with aclosing(self._respond(request, request_id)) as items:
+        async with aclosing(self._respond(request, request_id, context or DEFAULT_CONTEXT)) as items:
             async for item in items:
                 yield item
 
-    async def chat(self, request: ChatCompletionRequest, request_id: str) -> AsyncIterator:
+    async def chat(self, request: ChatCompletionRequest, request_id: str,
+                   context: RequestContext | None = None) -> AsyncIterator:
         yield ACCEPTED
-        async with aclosing(self._respond(request, request_id)) as items:
+        async with aclosing(self._respond(request, request_id, context or DEFAULT_CONTEXT)) as items:
             async for item in items:
                 yield item
 
-    async def _respond(self, request: OpenAIRequest, request_id: str) -> AsyncIterator:
-        if request.stream:
-            async with aclosing(self._stream(request, request_id)) as items:
-                async for item in items:
-                    yield item
-        else:
-            yield await self._full(request, request_id)
+    async def _respond(self, request: OpenAIRequest, request_id: str, context: RequestContext) -> AsyncIterator:
+        context = request.request_context(context)  # the body's own switches ("tr": {...})
+        try:
+            if request.stream:
+                async with aclosing(self._stream(request, request_id, context)) as items:
+                    async for item in items:
+                        yield item
+            else:
+                yield await self._full(request, request_id, context)
+        except (asyncio.CancelledError, GeneratorExit):
+            raise
+        except Exception:  # preparing or finishing this request failed: it alone gets the 500
+            logger.exception("tr_serve: request %s failed", request_id)
+            yield _request_failed(request_id)
 
     async def _prepare_off_loop(self, request: OpenAIRequest) -> Union[PreparedRequest, APIError]:
         """``prepare_request`` in a worker thread: tokenizing (up to ``max_prompt_chars`` characters)
@@ -182,14 +200,14 @@ class LLMServer:
             return prompt_too_long(chars, self.max_prompt_chars, request.prompt_param)
         return await asyncio.to_thread(prepare_request, request, self.tokenizer, self.vocab_size, self.max_model_len)
 
-    async def _outputs(self, ids, params, request_id: str):
+    async def _outputs(self, ids, params, request_id: str, context: RequestContext):
         """Engine outputs with metrics; closing this generator aborts the engine request."""
         m = self.metrics
         t0 = time.monotonic()
         first_at = None
         seen_steps = 0
         last = None
-        gen = self.engine.generate(ids, params, request_id)
+        gen = self.engine.generate(ids, params, request_id, context)
         try:
             async for out in gen:
                 last = out
@@ -223,23 +241,26 @@ class LLMServer:
                 m.finished.inc(1, tags={"finish_reason": "abort"})
 
     @staticmethod
-    def _engine_error(e: BaseException) -> APIError:
-        from tr_serve.engine.async_engine import EngineDeadError
+    def _engine_error(e: BaseException, request_id: str) -> APIError:
+        from tr_serve.engine.async_engine import EngineDeadError, RequestFailedError
+
+        if isinstance(e, RequestFailedError):
+            return _request_failed(request_id)
 
         if isinstance(e, EngineDeadError):
             return APIError(503, f"the model server is restarting: {e}", "service_unavailable_error",
                             code="engine_dead", headers={"Retry-After": "5"})
         if isinstance(e, ValueError):  # the engine refused the request (prompt too long, ...)
             return bad_request(str(e))
-        logger.exception("tr_serve: request failed")
-        return APIError(500, f"internal error: {type(e).__name__}: {e}", "server_error")
+        logger.exception("tr_serve: request %s failed", request_id)
+        return _request_failed(request_id)
 
     def _tr(self, stats) -> dict[str, Any]:
         return {"mat": round(stats.mat, 4), "verification_steps": stats.verification_steps,
                 "accepted_per_step": stats.accepted_per_step,  # RequestOutput.stats is a snapshot
                 "tree_nodes_per_step": stats.tree_nodes_per_step, "tree": self.config.engine_kwargs.tree}
 
-    async def _full(self, request: OpenAIRequest, request_id: str) -> Union[dict, APIError]:
+    async def _full(self, request: OpenAIRequest, request_id: str, context: RequestContext) -> Union[dict, APIError]:
         prepared = await self._prepare_off_loop(request)
         if isinstance(prepared, APIError):
             return prepared
@@ -247,19 +268,20 @@ class LLMServer:
         responses = responses_for(request, request_id, self.model_id, now())
         last = None
         try:
-            async with aclosing(self._outputs(ids, params, request_id)) as outputs:
+            async with aclosing(self._outputs(ids, params, request_id, context)) as outputs:
                 async for out in outputs:
                     last = out
         except asyncio.CancelledError:
             raise
         except Exception as e:
-            return self._engine_error(e)
+            return self._engine_error(e, request_id)
         if last is None:
             return APIError(500, "the engine returned no output", "server_error")
         reason = last.finish_reason.value if last.finish_reason else None
         return responses.full(last.text, reason, len(ids), len(last.token_ids), self._tr(last.stats))
 
-    async def _stream(self, request: OpenAIRequest, request_id: str) -> AsyncIterator[Union[dict, APIError]]:
+    async def _stream(self, request: OpenAIRequest, request_id: str,
+                      context: RequestContext) -> AsyncIterator[Union[dict, APIError]]:
         """Yields an APIError (then stops) or OpenAI chunk dicts. The ingress frames them as SSE."""
         prepared = await self._prepare_off_loop(request)
         if isinstance(prepared, APIError):
@@ -272,7 +294,7 @@ class LLMServer:
             yield first
         last = None
         try:
-            async with aclosing(self._outputs(ids, params, request_id)) as outputs:
+            async with aclosing(self._outputs(ids, params, request_id, context)) as outputs:
                 async for out in outputs:
                     last = out
                     if out.new_text:
@@ -280,7 +302,7 @@ class LLMServer:
         except asyncio.CancelledError:
             raise
         except Exception as e:
-            yield self._engine_error(e)
+            yield self._engine_error(e, request_id)
             return
         if last is None:
             yield APIError(500, "the engine returned no output", "server_error")

@@ -140,11 +140,12 @@ class Drafter:
     # ---- drafting ------------------------------------------------------------------------------
     def draft(self, roots: torch.Tensor, contexts: list[ContextIndex] | None = None,
               room: list[int] | None = None, before: torch.Tensor | None = None,
-              documents: list[int | None] | None = None) -> DraftBatch:
+              documents: list[int | None] | None = None, plain_rows: list[bool] | None = None) -> DraftBatch:
         """roots [b]: each row's last accepted token (the last token of its context, if any).
         room[r]: how many tokens row r may still emit (a branch never drafts past it).
         before [b]: the token before each root (-1: none), for the pair table's rows.
-        documents[r]: row r's document in the suffix index (its text so far), None: none."""
+        documents[r]: row r's document in the suffix index (its text so far), None: none.
+        plain_rows[r]: True verifies the root alone for row r (the request turned speculation off)."""
         pairs = self.pairs if before is not None else None
         b = roots.shape[0]
         chains: list[list[int]] = [[] for _ in range(b)]
@@ -191,6 +192,9 @@ class Drafter:
             plans = [(n, cap)] * b
             full = (propose(self.matrix, roots, self.template, pairs=pairs, before=before)
                     if self.template is not None else roots[:, None])
+        if plain_rows is not None:
+            plans = [(0, 0) if off else p for p, off in zip(plans, plain_rows)]
+            chains = [[] if off else c for c, off in zip(chains, plain_rows)]
         row_nodes = [p[0] for p in plans]
         tree, nodes = self._subtree(max(row_nodes))
         template_tokens = full[:, torch.cat([torch.zeros(1, dtype=torch.long), nodes])]

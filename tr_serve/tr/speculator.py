@@ -9,10 +9,12 @@ and, under ``auto``, its budget), each request's context index, and the rules of
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 from typing import Callable, Protocol
 
 import torch
 
+from tr_serve.engine.request_context import RequestContext
 from tr_serve.runner.step_io import NextTokens, PrefillOutput
 from tr_serve.sampling_params import SamplingParams
 from tr_serve.tr.context_index import ContextIndex
@@ -52,6 +54,7 @@ class SpeculatedRequest(Protocol):
     context: ContextIndex | None  # prompt + output, indexed for the row's context branch
     suffix_doc: int | None  # its document in the suffix index
     suffix_fed: int  # prompt + output tokens handed to that document so far
+    request_context: RequestContext  # its tenant and switches (engine/request_context.py)
 
     @property
     def last_token(self) -> int:
@@ -162,7 +165,7 @@ class Speculator:
         """A request that got a row: its context index and its suffix-index document."""
         if self.drafter is not None:
             req.context = self.drafter.new_context_index()
-        if self.suffix is not None:
+        if self.suffix is not None and req.request_context.learn:  # learn: false leaves no text behind
             req.suffix_doc = self.suffix.open(req.namespace)
 
     def finish(self, req: SpeculatedRequest) -> None:
@@ -183,6 +186,8 @@ class Speculator:
         if not self.spec.uses_matrix:
             return
         for i, (req, chunk, start) in enumerate(zip(batch, chunks, starts)):
+            if not teaches_matrix(req):
+                continue
             if positions is not None:
                 keep = positions[i]
                 self.matrix.recycle(torch.tensor(chunk)[keep], out.seeds[i], pairs=self.pairs,
@@ -211,7 +216,8 @@ class Speculator:
                         self.settings.max_model_len - len(r.prompt_ids) - len(r.output_ids)) for r in batch]
         before = torch.tensor([r.token_before_last for r in batch]) if self.pairs is not None else None
         documents = [self._sync_suffix(r) for r in batch] if self.suffix is not None else None
-        return self.drafter.draft(roots, contexts, room, before, documents)
+        plain = [not r.request_context.speculation for r in batch]
+        return self.drafter.draft(roots, contexts, room, before, documents, plain if any(plain) else None)
 
     def accept(self, draft: DraftBatch, out: NextTokens, started: float) -> Acceptance:
         """Each row's longest path of the model's choices (sampled rows walk their draws as greedy
@@ -223,13 +229,24 @@ class Speculator:
             self.drafter.observe(draft, acceptance, seconds)
         return acceptance
 
-    def recycle(self, draft: DraftBatch, acceptance: Acceptance, out: NextTokens) -> None:
+    def recycle(self, draft: DraftBatch, acceptance: Acceptance, out: NextTokens,
+                batch: list[SpeculatedRequest] | None = None) -> None:
         """Write the real nodes' top-k ids (packed in row order, as the runner sends them) into the
-        matrix and the pair table; a node on an accepted path wins over another of its token."""
+        matrix and the pair table; a node on an accepted path wins over another of its token.
+        ``batch``: the rows' requests; only those that :func:`teaches_matrix` write rows."""
         if not self.spec.uses_matrix:
             return
         on_path = acceptance.accepted_mask.numpy()
         real = draft.real_nodes()
+        if batch is not None and not all(teaches_matrix(r) for r in batch):
+            teaching = torch.tensor([teaches_matrix(r) for r in batch])
+            if not bool(teaching.any()):
+                return
+            real = real if real is not None else torch.ones(draft.tokens.shape, dtype=torch.bool)
+            top_k = out.top_k  # packed over the real nodes, in row order
+            kept = teaching[:, None].expand_as(real)[real]
+            real = real & teaching[:, None]
+            out = replace(out, top_k=top_k[kept])
         before = draft.tokens_before() if draft.before_roots is not None else None
         if real is None:
             self.matrix.recycle(draft.tokens.reshape(-1), out.top_k, preferred=torch.from_numpy(on_path.reshape(-1)),
@@ -252,6 +269,14 @@ class Speculator:
             self.suffix.extend(doc, req.output_ids[fed - p :])
         req.suffix_fed = p + len(req.output_ids)
         return doc
+
+
+def teaches_matrix(req: SpeculatedRequest) -> bool:
+    """Whether the request's verified nodes and prompt write matrix and pair-table rows: only the
+    shared tenant's, and not under ``learn: false``. Every request drafts from those rows, so a
+    named tenant's text must never reach them (docs/serving.md, "Tenants and privacy")."""
+    ctx = req.request_context
+    return ctx.learn and ctx.shared
 
 
 def _synced_context(req: SpeculatedRequest) -> ContextIndex:
