@@ -116,6 +116,13 @@ class TRServeConfig(BaseModel):
     allow_unauthenticated: bool = Field(
         default=False, description="let `tr-serve run` start with no API key configured while Serve's HTTP host "
                                    "is not loopback (the API is then open to whoever reaches the port)")
+    tenants: dict[str, list[SecretStr]] = Field(
+        default_factory=dict, description="tenant name -> the API keys that are that one tenant (what one tenant "
+                                          "sends never shapes what another observes); every other key is a tenant "
+                                          "of its own")
+    isolation: Literal["tenant", "none"] = Field(
+        default="tenant", description="'tenant': each tenant's text drafts for its own requests only; 'none': one "
+                                      "shared scope for every key (every caller trusts every other)")
     ingress: IngressConfig = Field(default_factory=IngressConfig)
     max_prompt_chars: Optional[int] = Field(
         default=None, ge=1, description="characters of prompt text a request may carry, checked before tokenizing; "
@@ -243,8 +250,13 @@ class TRServeConfig(BaseModel):
     def resolved_max_request_bytes(self) -> int:
         return self.max_request_bytes or BODY_BYTES_PER_CHAR * self.resolved_max_prompt_chars() + BODY_OVERHEAD_BYTES
 
+    def resolved_tenants(self) -> dict[str, list[str]]:
+        return {name: sorted(k.get_secret_value() for k in keys) for name, keys in self.tenants.items()}
+
     def resolved_api_keys(self, include_env: bool = True) -> list[str]:
+        """Every key that authenticates: ``api_keys``, the env's and the ``tenants``' keys."""
         keys = [k.get_secret_value() for k in self.api_keys]
+        keys += [k for ks in self.resolved_tenants().values() for k in ks]
         if include_env:
             keys += env_api_keys()
         return sorted(set(k for k in keys if k))
