@@ -35,7 +35,8 @@ SERVE_CONFIG_OF = {
     "rayservice-smollm2-cpu.yaml": "smollm2-cpu.yaml",
 }
 # kinds allowed in k8s/ (anything else needs a test of its own)
-KNOWN_KINDS = {("ray.io/v1", "RayService"), ("v1", "PersistentVolumeClaim")}
+KNOWN_KINDS = {("ray.io/v1", "RayService"), ("v1", "PersistentVolumeClaim"),
+               ("networking.k8s.io/v1", "NetworkPolicy")}
 # spec.upgradeStrategy.type is a free string in the CRD; these are the values KubeRay implements
 UPGRADE_TYPES = {"NewCluster", "NewClusterWithIncrementalUpgrade", "None"}
 OBJECT_META_KEYS = {"name", "namespace", "labels", "annotations", "generateName"}
@@ -207,6 +208,44 @@ def test_proxy_listens_on_all_interfaces_on_the_serve_port(name):
     assert ports.get("serve") == http["port"], "the head container's `serve` port is the proxy port"
 
 
+API_KEYS_ENV = "TR_SERVE_API_KEYS"
+SERVE_PORT = 8000
+OPERATOR_PORT = 8265  # the head's dashboard: KubeRay deploys serveConfigV2 and reads Serve's status there
+OPERATOR_LABELS = {"app.kubernetes.io/name": "kuberay-operator"}  # the KubeRay Helm chart's operator pods
+RAY_POD_LABELS = {"app.kubernetes.io/name": "tr-serve"}  # what the RayServices' pod templates, and only they, carry
+
+
+def secret_refs(manifest: dict) -> list[tuple[str, str, dict]]:
+    """(group, env var, secretKeyRef) for every env var of every container read from a Secret."""
+    return [(group, e["name"], e["valueFrom"]["secretKeyRef"])
+            for group, _, pod in pods(manifest) for c in pod["containers"] for e in c.get("env", [])
+            if "secretKeyRef" in e.get("valueFrom", {})]
+
+
+def test_api_keys_come_from_a_required_secret_on_every_pod(name):
+    """The API is never open by accident: a pod without the key Secret does not start."""
+    manifest = load_rayservice(name)
+    refs = secret_refs(manifest)
+    for group, _, pod in pods(manifest):
+        assert (group, API_KEYS_ENV) in {(g, var) for g, var, _ in refs}, f"{group}: {API_KEYS_ENV} from a Secret"
+    for group, var, ref in refs:
+        assert ref.get("optional") is not True, f"{group}: {var} must not be an optional Secret"
+    for app in serve_config_v2(manifest)["applications"]:
+        assert app["args"].get("allow_unauthenticated") is not True
+
+
+def test_rays_token_auth_is_on(name):
+    """KubeRay's authOptions (>= 1.5.1; Ray >= 2.52) make the operator generate the token Secret and
+    set RAY_AUTH_MODE=token and RAY_AUTH_TOKEN on every Ray container; a manifest that sets the
+    env itself must not switch it off."""
+    rc = load_rayservice(name)["spec"]["rayClusterConfig"]
+    assert rc.get("authOptions", {}).get("mode") == "token"
+    assert tuple(map(int, rc["rayVersion"].split("."))) >= (2, 52, 0)
+    for group, _, pod in pods(load_rayservice(name)):
+        env = {e["name"]: e for c in pod["containers"] for e in c.get("env", [])}
+        assert env.get("RAY_AUTH_MODE", {}).get("value", "token") == "token", group
+
+
 def test_cluster_shape(name):
     manifest = load_rayservice(name)
     spec = manifest["spec"]
@@ -317,6 +356,107 @@ def test_kernels_on_the_shared_volume_are_caught():
 
     assert any("on the volume models" in p for p in kernel_cache_problems(_mutated(on_volume)))
     assert any("without a TR_SERVE_KERNEL_CACHE" in p for p in kernel_cache_problems(_mutated(unset)))
+
+
+# ---- NetworkPolicy ------------------------------------------------------------------------------
+def network_policies() -> list[dict]:
+    return [doc for _, doc in k8s_documents() if doc.get("kind") == "NetworkPolicy"]
+
+
+def selects(selector: dict, labels: dict) -> bool:
+    """A label selector (matchLabels, matchExpressions) against a pod's labels."""
+    if any(labels.get(k) != v for k, v in (selector.get("matchLabels") or {}).items()):
+        return False
+    for expr in selector.get("matchExpressions") or []:
+        key, op, values = expr["key"], expr["operator"], expr.get("values") or []
+        if (op == "In" and labels.get(key) not in values) or (op == "NotIn" and labels.get(key) in values) \
+                or (op == "Exists" and key not in labels) or (op == "DoesNotExist" and key in labels):
+            return False
+    return True
+
+
+def ray_pod_labels(manifest: dict) -> list[tuple[str, dict]]:
+    """(group, labels) of each Ray pod as KubeRay makes it: the template's labels and its node type."""
+    rc = manifest["spec"]["rayClusterConfig"]
+    out = [("head", {**rc["headGroupSpec"]["template"].get("metadata", {}).get("labels", {}),
+                     "ray.io/node-type": "head"})]
+    out += [(g["groupName"], {**g["template"].get("metadata", {}).get("labels", {}), "ray.io/node-type": "worker"})
+            for g in rc.get("workerGroupSpecs", [])]
+    return out
+
+
+def is_ray_peer(peer: dict, manifest: dict) -> bool:
+    """A `from` entry that admits Ray pods of this manifest and nothing else: a pod selector alone
+    (so this namespace only) that every Ray pod matches, requiring the label only Ray pods carry."""
+    if set(peer) != {"podSelector"}:
+        return False
+    wanted = peer["podSelector"]
+    return (RAY_POD_LABELS.items() <= (wanted.get("matchLabels") or {}).items()
+            and all(selects(wanted, labels) for _, labels in ray_pod_labels(manifest)))
+
+
+def admitted_from_outside(manifest: dict, policies: list[dict]) -> dict[str, list[tuple[dict, list]]]:
+    """Ray pod group -> (peer, ports) of each rule that admits a source other than the Ray pods
+    (peer ``{}``: any source). ``ports`` ``[]``: every port."""
+    out: dict[str, list[tuple[dict, list]]] = {}
+    for group, labels in ray_pod_labels(manifest):
+        for policy in policies:
+            if not selects(policy["spec"]["podSelector"], labels):
+                continue
+            for rule in policy["spec"].get("ingress") or []:
+                peers = rule.get("from") or [{}]
+                for peer in peers:
+                    if not is_ray_peer(peer, manifest):
+                        out.setdefault(group, []).append((peer, rule.get("ports") or []))
+    return out
+
+
+def ports_of(ports: list) -> set[tuple[str, object]]:
+    return {(p.get("protocol", "TCP"), p.get("port")) for p in ports}
+
+
+def test_network_policies_isolate_every_ray_pod(name):
+    """Every Ray pod is selected by an Ingress policy (so what no rule admits is denied), and the
+    Ray pods admit one another on every port."""
+    policies = network_policies()
+    assert policies, "k8s/ has a NetworkPolicy"
+    manifest = load_rayservice(name)
+    for group, labels in ray_pod_labels(manifest):
+        mine = [p for p in policies if selects(p["spec"]["podSelector"], labels)]
+        assert mine and all("Ingress" in p["spec"].get("policyTypes", ["Ingress"]) for p in mine), group
+        internal = [r for p in mine for r in p["spec"].get("ingress") or []
+                    if not r.get("ports") and any(is_ray_peer(peer, manifest) for peer in r.get("from") or [])]
+        assert internal, f"{group}: Ray pods reach it on every port"
+
+
+def test_network_policies_admit_only_the_serve_port_of_the_head_from_outside(name):
+    manifest = load_rayservice(name)
+    outside = admitted_from_outside(manifest, network_policies())
+    assert set(outside) == {"head"}, f"only the head is reachable from outside the Ray pods: {sorted(outside)}"
+    open_to_all = [ports for peer, ports in outside["head"] if not peer]
+    assert open_to_all and all(ports_of(p) == {("TCP", SERVE_PORT)} for p in open_to_all), open_to_all
+    for peer, ports in outside["head"]:
+        if peer:  # the one restricted door: the KubeRay operator to the dashboard
+            assert peer.get("podSelector", {}).get("matchLabels") == OPERATOR_LABELS, peer
+            assert ports_of(ports) == {("TCP", OPERATOR_PORT)}, ports
+    http = serve_config_v2(manifest)
+    assert http["http_options"]["port"] == SERVE_PORT
+    assert http.get("proxy_location") == "HeadOnly", "the Serve service's endpoints are the head's proxy only"
+
+
+def test_a_policy_that_opens_more_is_caught():
+    manifest = load_rayservice("rayservice-llama70b.yaml")
+    policies = copy.deepcopy(network_policies())
+    head_policy = next(p for p in policies if "ray.io/node-type" in p["spec"]["podSelector"].get("matchLabels", {}))
+    head_policy["spec"]["ingress"][0]["ports"].append({"protocol": "TCP", "port": 6379})
+    outside = admitted_from_outside(manifest, policies)
+    assert any(("TCP", 6379) in ports_of(ports) for peer, ports in outside["head"] if not peer)
+    worker_open = copy.deepcopy(network_policies())
+    worker_open[0]["spec"]["ingress"].append({"ports": [{"port": SERVE_PORT}]})
+    assert "gpu-8x" in admitted_from_outside(manifest, worker_open)
+    namespace_wide = copy.deepcopy(network_policies())
+    namespace_wide[0]["spec"]["ingress"][0]["from"] = [{"podSelector": {}}]  # every pod of the namespace
+    assert set(admitted_from_outside(manifest, namespace_wide)) == {"head", "gpu-8x"}
 
 
 # ---- the checks can fail ------------------------------------------------------------------------
