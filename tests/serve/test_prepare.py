@@ -61,3 +61,10 @@ def test_typed_errors_carry_the_field():
     assert (e.value.param, e.value.code) == ("messages", "context_length_exceeded")
     with pytest.raises(InvalidRequestError, match="the prompt is empty"):
         check_prompt([], 3)
+
+
+def test_an_omitted_max_tokens_is_bounded_by_the_configured_ceiling(tokenizer):
+    out = prepare_request(_chat(), tokenizer, V, LIMIT, default_max_tokens=7)
+    assert isinstance(out, PreparedRequest) and out.params.max_tokens == 7
+    out = prepare_request(_completion(max_tokens=20), tokenizer, V, LIMIT, default_max_tokens=7)
+    assert out.params.max_tokens == 20  # a request's own max_tokens is its own

@@ -123,6 +123,9 @@ class TRServeConfig(BaseModel):
     isolation: Literal["tenant", "none"] = Field(
         default="tenant", description="'tenant': each tenant's text drafts for its own requests only; 'none': one "
                                       "shared scope for every key (every caller trusts every other)")
+    default_max_tokens: Optional[int] = Field(
+        default=None, ge=1, description="tokens a request that sends no max_tokens may generate, at most the context "
+                                        "left; default: the context left (max_model_len minus the prompt)")
     ingress: IngressConfig = Field(default_factory=IngressConfig)
     max_prompt_chars: Optional[int] = Field(
         default=None, ge=1, description="characters of prompt text a request may carry, checked before tokenizing; "

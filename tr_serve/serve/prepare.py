@@ -26,9 +26,10 @@ class PreparedRequest:
     params: SamplingParams
 
 
-def prepare_request(request: OpenAIRequest, tokenizer, vocab_size: int,
-                    max_model_len: int) -> Union[PreparedRequest, APIError]:
-    """Validate and tokenize ``request``; an ``APIError`` (400) for one that cannot be served."""
+def prepare_request(request: OpenAIRequest, tokenizer, vocab_size: int, max_model_len: int,
+                    default_max_tokens: int | None = None) -> Union[PreparedRequest, APIError]:
+    """Validate and tokenize ``request``; an ``APIError`` (400) for one that cannot be served.
+    ``default_max_tokens``: the ceiling of a request that sends no max_tokens (None: the context left)."""
     err = request.unsupported()
     if err is not None:
         return err
@@ -37,7 +38,7 @@ def prepare_request(request: OpenAIRequest, tokenizer, vocab_size: int,
         return ids
     try:
         check_prompt(ids, max_model_len, request.prompt_param)
-        params = sampling_params(request, len(ids), max_model_len, vocab_size)
+        params = sampling_params(request, len(ids), max_model_len, vocab_size, default_max_tokens)
     except InvalidRequestError as e:
         return bad_request(echo(e, 300), e.param, e.code)
     except ValueError as e:  # not a field's fault
@@ -61,13 +62,14 @@ def prompt_ids(request: OpenAIRequest, tokenizer, vocab_size: int) -> Union[list
         return bad_request(f"{request.tokenize_failure}: {echo(e, 300)}", request.prompt_param)
 
 
-def sampling_params(request: OpenAIRequest, prompt_len: int, max_model_len: int, vocab_size: int) -> SamplingParams:
+def sampling_params(request: OpenAIRequest, prompt_len: int, max_model_len: int, vocab_size: int,
+                    default_max_tokens: int | None = None) -> SamplingParams:
     """OpenAI's sampling fields as ``SamplingParams`` (OpenAI's defaults where a field is absent);
     raises ``InvalidRequestError`` naming the field."""
     n, limit = prompt_len, max_model_len
     max_tokens = request.requested_max_tokens()
-    if max_tokens is None:
-        max_tokens = limit - n
+    if max_tokens is None:  # the context left, at most the configured ceiling
+        max_tokens = limit - n if default_max_tokens is None else min(limit - n, default_max_tokens)
     elif n + max_tokens > limit:
         param = request.max_tokens_param
         raise InvalidRequestError(f"this model's maximum context length is {limit} tokens; the prompt has {n} "

@@ -198,7 +198,8 @@ class LLMServer:
         chars = request.prompt_chars()
         if chars > self.max_prompt_chars:
             return prompt_too_long(chars, self.max_prompt_chars, request.prompt_param)
-        return await asyncio.to_thread(prepare_request, request, self.tokenizer, self.vocab_size, self.max_model_len)
+        return await asyncio.to_thread(prepare_request, request, self.tokenizer, self.vocab_size, self.max_model_len,
+                                       self.config.default_max_tokens)
 
     async def _outputs(self, ids, params, request_id: str, context: RequestContext):
         """Engine outputs with metrics; closing this generator aborts the engine request."""
