@@ -37,7 +37,7 @@ class _Call:
     def __init__(self, handle: "_Handle"):
         self.handle = handle
 
-    def remote(self, body, request_id):
+    def remote(self, body, request_id, context=None):
         self.handle.requests += 1
         return _Gen()
 
