@@ -21,3 +21,21 @@ def subprocess_env(**extra: str) -> dict[str, str]:
     env.pop("TR_SERVE_API_KEYS", None)
     env.update(extra)
     return env
+
+
+class AcceptedThenOk:
+    """A stand-in for a model server handle call's response stream: ``ACCEPTED``, then one full
+    completion whose text is "ok" (the ingress tests run without Ray)."""
+
+    def __init__(self):
+        from tr_serve.serve.server import ACCEPTED
+
+        self.items = [ACCEPTED, {"object": "text_completion", "choices": [{"text": "ok"}]}]
+
+    async def __anext__(self):
+        if not self.items:
+            raise StopAsyncIteration
+        return self.items.pop(0)
+
+    def cancel(self):
+        pass

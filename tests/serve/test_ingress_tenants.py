@@ -8,23 +8,10 @@ import httpx
 
 from tr_serve.engine.request_context import SHARED_TENANT
 from tr_serve.serve.ingress import OpenAIIngress, build_fastapi_app
-from tr_serve.serve.server import ACCEPTED
+from serve_testutil import AcceptedThenOk
 
 MODEL = "m"
 BODY = {"model": MODEL, "prompt": "hi", "max_tokens": 2}
-
-
-class _Gen:
-    def __init__(self):
-        self.items = [ACCEPTED, {"object": "text_completion", "choices": [{"text": "ok"}]}]
-
-    async def __anext__(self):
-        if not self.items:
-            raise StopAsyncIteration
-        return self.items.pop(0)
-
-    def cancel(self):
-        pass
 
 
 class _Handle:
@@ -49,7 +36,7 @@ class _Handle:
         class _C:
             def remote(self, body, request_id, context):
                 handle.contexts.append(context)
-                return _Gen()
+                return AcceptedThenOk()
         return _C()
 
 

@@ -12,25 +12,11 @@ import httpx
 import pytest
 
 from tr_serve.serve.ingress import OpenAIIngress, build_fastapi_app
+from serve_testutil import AcceptedThenOk
 from tr_serve.serve.server import ACCEPTED
 
 MODEL = "m"
 BODY = {"model": MODEL, "prompt": "hi", "max_tokens": 2}
-
-
-class _Gen:
-    """A handle call's response stream: ``ACCEPTED``, then one full response."""
-
-    def __init__(self):
-        self.items = [ACCEPTED, {"object": "text_completion", "choices": [{"text": "ok"}]}]
-
-    async def __anext__(self):
-        if not self.items:
-            raise StopAsyncIteration
-        return self.items.pop(0)
-
-    def cancel(self):
-        pass
 
 
 class _Call:
@@ -39,7 +25,7 @@ class _Call:
 
     def remote(self, body, request_id, context=None):
         self.handle.requests += 1
-        return _Gen()
+        return AcceptedThenOk()
 
 
 class _Broadcast:

@@ -123,7 +123,7 @@ class Engine:
         check_prompt(prompt_ids, self.config.max_model_len)
         req = Request(request_id or f"req-{next(_ids)}", list(prompt_ids), params,
                       IncrementalDetokenizer(self.tokenizer))
-        req.request_context, req.namespace = context, context.tenant
+        req.request_context = context
         self.scheduler.add(req)  # ValueError for an id in use, before anything else is made for it
         if not params.greedy:
             req.sampler = RowSampler(params.temperature, params.top_k, params.top_p, request_seed(params.seed))

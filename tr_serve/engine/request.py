@@ -10,7 +10,6 @@ from tr_serve.engine.detokenizer import IncrementalDetokenizer
 from tr_serve.engine.request_context import DEFAULT_CONTEXT, RequestContext
 from tr_serve.sampling_params import SamplingParams
 from tr_serve.tr.context_index import ContextIndex
-from tr_serve.tr.suffix_index import DEFAULT_NAMESPACE
 
 if TYPE_CHECKING:  # the scheduler imports this file and stays torch-free
     from tr_serve.runner.step_io import RowSampler
@@ -69,7 +68,6 @@ class Request:
     text: str = ""  # output text, cut at a stop string
     sampler: "RowSampler | None" = None  # how a sampled request draws (its seed included); None: greedy
     context: ContextIndex | None = None  # prompt + output index of the context branch (tr/context_index.py)
-    namespace: str = DEFAULT_NAMESPACE  # the tenant: its text drafts for requests of the same namespace only
     request_context: RequestContext = DEFAULT_CONTEXT  # tenant and per-request switches (engine/request_context.py)
     suffix_doc: int | None = None  # its document in the engine's suffix index (tr/suffix_index.py)
     suffix_fed: int = 0  # prompt + output tokens handed to that document so far
@@ -79,6 +77,11 @@ class Request:
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+    @property
+    def namespace(self) -> str:
+        """The tenant: its text drafts for requests of the same namespace only."""
+        return self.request_context.tenant
 
     @property
     def last_token(self) -> int:

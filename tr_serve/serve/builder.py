@@ -65,8 +65,7 @@ def build_openai_app(configs: Sequence[TRServeConfig | dict],
     for c in configs:
         for name, group in c.resolved_tenants().items():
             tenants[name] = sorted(set(tenants.get(name, [])) | set(group))
-    grouped = {k for group in tenants.values() for k in group}
-    keys = sorted(set(k for c in configs for k in c.resolved_api_keys()) - grouped)
+    keys = sorted(set(k for c in configs for k in c.resolved_api_keys()))
     limits = {"max_request_bytes": max(c.resolved_max_request_bytes() for c in configs),
               "max_json_depth": edge.max_json_depth, "drain_timeout_s": edge.drain_timeout_s,
               "startup_wait_s": edge.startup_wait_s,

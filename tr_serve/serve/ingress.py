@@ -101,10 +101,9 @@ class OpenAIIngress:
         self.drain_timeout_s = float(limits["drain_timeout_s"])
         self.startup_wait_s = float(limits["startup_wait_s"])
         # keys given at build time, plus the env var as this replica sees it
-        grouped = {k for keys in (tenants or {}).values() for k in keys}
-        self.api_keys = sorted((set(api_keys or []) | set(env_api_keys())) - grouped)
         # each key's tenant (serve/tenants.py): a key of its own, or one of a declared group
-        self.tenants = TenantDirectory.from_config(self.api_keys, dict(tenants or {}), isolation)
+        self.tenants = TenantDirectory.from_config(sorted(set(api_keys or []) | set(env_api_keys())),
+                                                   dict(tenants or {}), isolation)
         self.metrics = IngressMetrics()
         self.draining = False
         self.drain_started: float | None = None

@@ -238,10 +238,11 @@ class Speculator:
             return
         on_path = acceptance.accepted_mask.numpy()
         real = draft.real_nodes()
-        if batch is not None and not all(teaches_matrix(r) for r in batch):
-            teaching = torch.tensor([teaches_matrix(r) for r in batch])
-            if not bool(teaching.any()):
+        teaching_rows = [teaches_matrix(r) for r in batch] if batch is not None else None
+        if teaching_rows is not None and not all(teaching_rows):
+            if not any(teaching_rows):
                 return
+            teaching = torch.tensor(teaching_rows)
             real = real if real is not None else torch.ones(draft.tokens.shape, dtype=torch.bool)
             top_k = out.top_k  # packed over the real nodes, in row order
             kept = teaching[:, None].expand_as(real)[real]
