@@ -56,7 +56,7 @@ def test_an_overpromising_budget_learns_to_draft_less():
     latency = StepLatency(LatencyTable((1, 3), (1.0, 1.5)))
     budget = _budget(latency)
     budget.branchless.hits[:] = torch.tensor([0.9, 0.9]) * budget.branchless.trials  # the row has no branch
-    successors = lambda before, token: [1]  # noqa: E731
+    successors = lambda row, before, token: [1]  # noqa: E731
     assert budget.plan([0], successors, [[]], [0]) == [(2, 0)]
     for _ in range(300):
         budget.plan([0], successors, [[]], [0])
@@ -78,7 +78,7 @@ def test_rows_without_a_branch_are_priced_by_their_own_estimates():
                         chain_caps=(0, 1), explore_every=1000)
     budget.acceptance.hits[:] = torch.tensor([0.9, 0.9]) * budget.acceptance.trials
     budget.branchless.hits[:] = torch.tensor([0.05, 0.05]) * budget.branchless.trials
-    successors = lambda before, token: [1, 2]  # noqa: E731
+    successors = lambda row, before, token: [1, 2]  # noqa: E731
     # a row with a branch (whose one token the template does not hold) buys the template's nodes;
     # a row without one does not
     with_branch, alone = budget.plan([0, 0], successors, [[7], []], [2, 0])
@@ -107,7 +107,7 @@ def test_steps_turn_lean_when_plans_stop_buying_template_nodes_and_a_plan_that_b
     expensive = StepLatency(LatencyTable((1, 3), (1.0, 3.0)))  # every query token costs a forward
     budget = TreeBudget(compile_tree([[0], [0, 0]]), expensive, context_tokens=4, node_candidates=(0, 1, 2),
                         chain_caps=(0, 1, 2), explore_every=8)
-    successors = lambda before, token: [1]  # noqa: E731
+    successors = lambda row, before, token: [1]  # noqa: E731
     assert not budget.lean_next  # a new budget plans in full
     kinds = []
     for step in range(1, 65):
@@ -145,7 +145,7 @@ def test_steps_turn_lean_when_the_template_costs_more_host_time_than_its_share_o
     budget.acceptance.hits[:] = 0.9 * budget.acceptance.trials
     budget.branchless.hits[:] = 0.9 * budget.branchless.trials
     budget.acceptance._rates = budget.branchless._rates = None
-    successors = lambda before, token: [1]  # noqa: E731
+    successors = lambda row, before, token: [1]  # noqa: E731
     for _ in range(40):
         assert budget.plan([0, 0], successors, [[], []], [0, 0]) == [(2, 0), (2, 0)]  # the template pays
     assert budget.template_use > 0.9 and 0.4 < budget.template_share < 0.8  # 2 x (0.9 + 0.81) of 2 + 3.42 tokens
@@ -203,7 +203,7 @@ def test_template_nodes_and_branch_tokens_are_calibrated_apart():
     tree = compile_tree([[0], [0, 0]])
     budget = TreeBudget(tree, StepLatency(LatencyTable((1, 8), (1.0, 1.01))), context_tokens=4,
                         node_candidates=(0, 1, 2), chain_caps=(0, 1, 2), explore_every=1000)
-    successors = lambda before, token: [1]  # noqa: E731 (the template drafts 1 under every node)
+    successors = lambda row, before, token: [1]  # noqa: E731 (the template drafts 1 under every node)
     assert budget.plan([0], successors, [[7, 8]], [4]) == [(2, 2)]  # the template, and the branch beside it
     template_expected, branch_expected = budget._expected
     assert template_expected > 0 and branch_expected > 0
@@ -233,7 +233,7 @@ def test_template_nodes_a_branch_merges_into_are_calibrated_as_the_branchs():
     tree = compile_tree([[0], [0, 0]])
     budget = TreeBudget(tree, StepLatency(LatencyTable((1, 8), (1.0, 1.01))), context_tokens=4,
                         node_candidates=(0, 1, 2), chain_caps=(0, 1, 2), explore_every=1000)
-    successors = lambda before, token: [1]  # noqa: E731 (the template drafts 1 under every node)
+    successors = lambda row, before, token: [1]  # noqa: E731 (the template drafts 1 under every node)
     plan = budget.plan([0], successors, [[1, 8]], [4])
     template_expected, branch_expected = budget._expected
     assert plan == [(2, 1)] and template_expected == pytest.approx(budget.acceptance.rate_list()[1])
@@ -262,7 +262,7 @@ def test_a_plan_of_rows_without_branches_is_reused_for_a_few_steps_only(monkeypa
     latency = StepLatency(LatencyTable((1, 3), (1.0, 1.01)))  # query tokens nearly free
     budget = TreeBudget(compile_tree([[0], [0, 0]]), latency, context_tokens=4, node_candidates=(0, 1, 2),
                         chain_caps=(0, 1), explore_every=1000, reorder_every=1000)
-    successors = lambda before, token: [1]  # noqa: E731
+    successors = lambda row, before, token: [1]  # noqa: E731
 
     def set_rates(p: float) -> None:
         for stats in (budget.acceptance, budget.branchless):

@@ -166,6 +166,11 @@ class AsyncEngine:
     def stats(self) -> dict[str, int]:
         return self.load().as_dict()
 
+    def tenant_matrix_stats(self) -> dict[str, int] | None:
+        """The named tenants' matrix overlays on this replica, in total (tr/tenant_rows.py); None
+        when the tree drafts from no matrix."""
+        return self.engine.tenant_matrix_stats()
+
     # ---- step thread ------------------------------------------------------------------------
     def _deliver(self, request_id: str, item) -> None:
         stream = self._streams.get(request_id)

@@ -46,6 +46,10 @@ class EngineConfig:
     # suffix_index_tokens: the tokens it holds over all namespaces, the oldest requests' evicted past it
     suffix_index: bool | None = None
     suffix_index_tokens: int = DEFAULT_CAPACITY
+    # the rows each named tenant's own text writes over the shared matrix (tr/tenant_rows.py), the
+    # ones it wrote least recently evicted past it: k * 4 + 17 bytes a row, plus a 4-byte index per
+    # vocabulary token for each tenant that has written one
+    tenant_matrix_rows: int = 8192
     # start the matrix's empty rows from the model's own top-k after [BOS, token]
     # (runner/matrix_prior.py: computed once per model, then read from the user cache); in-process
     # runners only (a tensor-parallel replica starts from the fleet's snapshot)
@@ -71,6 +75,8 @@ class EngineConfig:
             raise ValueError(f"pair_table_slots must be a power of two, got {self.pair_table_slots}")
         if self.suffix_index_tokens < 1:
             raise ValueError(f"suffix_index_tokens must be >= 1, got {self.suffix_index_tokens}")
+        if self.tenant_matrix_rows < 1:
+            raise ValueError(f"tenant_matrix_rows must be >= 1, got {self.tenant_matrix_rows}")
         if self.max_prefill_tokens < 1:
             raise ValueError(f"max_prefill_tokens must be >= 1, got {self.max_prefill_tokens}")
         if self.kv_cache_memory_gb is not None and self.kv_cache_memory_gb <= 0:

@@ -40,6 +40,9 @@ class EngineHandle(Protocol):
     def abort(self, request_id: str) -> None:
         """Finish the request with ``abort``; unknown or finished ids are ignored."""
 
+    def tenant_matrix_stats(self) -> dict[str, int] | None:
+        """The named tenants' matrix overlays in total (tr/tenant_rows.py), None without a matrix."""
+
     def load(self) -> "EngineLoad":
         """Requests running, prefilling, waiting, and KV rows in use."""
 

@@ -102,6 +102,10 @@ class Engine:
     def load(self) -> EngineLoad:
         return self.scheduler.load()
 
+    def tenant_matrix_stats(self) -> dict[str, int] | None:
+        overlays = self.speculator.tenant_rows
+        return overlays.totals() if overlays is not None else None
+
     def check_health(self) -> None:
         """A runner with workers elsewhere (tensor parallel) is pinged; an in-process one is fine."""
         if isinstance(self.runner, RemoteRunner):

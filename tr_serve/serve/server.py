@@ -159,6 +159,7 @@ class LLMServer:
                 "tree": self.config.engine_kwargs.tree, "engine_alive": self.engine.alive,
                 "requests_finished": self.num_finished, "requests_aborted": self.num_aborted,
                 "startup_work": self.startup.status(),
+                "tenant_matrix": self.engine.tenant_matrix_stats(),
                 "fleet": self.fleet.stats() if getattr(self, "fleet", None) is not None else None}
 
     async def completions(self, request: CompletionRequest, request_id: str,

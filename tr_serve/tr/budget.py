@@ -169,14 +169,14 @@ class TreeBudget:
         self._expected = plan_gains([], chain_info, plans)
         return plans
 
-    def plan(self, roots: list[int], successors: Callable[[int, int], Sequence[int]], chains: list[list[int]],
+    def plan(self, roots: list[int], successors: Callable[[int, int, int], Sequence[int]], chains: list[list[int]],
              matches: list[int], before: list[int] | None = None,
              agreements: list[Sequence[bool]] | None = None,
              cells: list[Sequence[int] | None] | None = None) -> list[tuple[int, int]]:
         """Per row, (template nodes, branch cap) for the most expected tokens per second.
-        roots[r]: row r's last accepted token; successors(before, token): the candidates drafted
-        after a token whose previous token is ``before`` (the template node of rank k under a node
-        drafting ``t``, whose parent drafts ``s``, drafts ``successors(s, t)[k]``); chains[r]: row
+        roots[r]: row r's last accepted token; successors(r, before, token): the candidates row r
+        drafts after a token whose previous token is ``before`` (the template node of rank k under a node
+        drafting ``t``, whose parent drafts ``s``, drafts ``successors(r, s, t)[k]``); chains[r]: row
         r's retrieved branch; matches[r]: the n-gram match length that found it; before[r]: the
         token before row r's root (-1, the default, when none is known); agreements[r]: per token of
         row r's branch, whether the matrix's first candidate of the token before it is that token
@@ -206,7 +206,7 @@ class TreeBudget:
         for r, chain in enumerate(chains):
             merge_pos, node, prev, drafted = [], 0, before[r] if before is not None else -1, roots[r]
             for tok in chain:  # walk the template while the branch's tokens are the ones it drafts
-                after = successors(prev, drafted)
+                after = successors(r, prev, drafted)
                 nxt = next((c for c in children[node] if after[ranks[c]] == tok), None)
                 if nxt is None:
                     break

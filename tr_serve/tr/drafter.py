@@ -25,6 +25,7 @@ import time
 from dataclasses import dataclass, replace
 from typing import Callable, Sequence
 
+import numpy as np
 import torch
 
 from tr_serve.tr.acceptance_stats import AcceptanceStats, SuffixStats, observe_template
@@ -36,6 +37,7 @@ from tr_serve.tr.pair_table import PairTable
 from tr_serve.tr.proposer import propose
 from tr_serve.tr.step_latency import StepLatency
 from tr_serve.tr.suffix_index import SuffixDraft, SuffixIndex
+from tr_serve.tr.tenant_rows import RowScopes, TenantRows
 from tr_serve.tr.tree import CompiledTree, compile_tree
 from tr_serve.tr.tree_spec import TreeSpec
 from tr_serve.tr.verifier import Acceptance
@@ -140,12 +142,14 @@ class Drafter:
     # ---- drafting ------------------------------------------------------------------------------
     def draft(self, roots: torch.Tensor, contexts: list[ContextIndex] | None = None,
               room: list[int] | None = None, before: torch.Tensor | None = None,
-              documents: list[int | None] | None = None, plain_rows: list[bool] | None = None) -> DraftBatch:
+              documents: list[int | None] | None = None, plain_rows: list[bool] | None = None,
+              scopes: RowScopes | None = None) -> DraftBatch:
         """roots [b]: each row's last accepted token (the last token of its context, if any).
         room[r]: how many tokens row r may still emit (a branch never drafts past it).
         before [b]: the token before each root (-1: none), for the pair table's rows.
         documents[r]: row r's document in the suffix index (its text so far), None: none.
-        plain_rows[r]: True verifies the root alone for row r (the request turned speculation off)."""
+        plain_rows[r]: True verifies the root alone for row r (the request turned speculation off).
+        scopes: the rows that draft through a tenant's overlay over the matrix (tr/tenant_rows.py)."""
         pairs = self.pairs if before is not None else None
         b = roots.shape[0]
         chains: list[list[int]] = [[] for _ in range(b)]
@@ -168,12 +172,13 @@ class Drafter:
             if pairs is not None:
                 table = pairs.chains(before, roots, caps)
             else:
-                table = self.matrix.confident_chains(roots.tolist(), caps, CONFIDENT_STREAK)
+                table = self.matrix.confident_chains(roots.tolist(), caps, CONFIDENT_STREAK,
+                                                     scopes.overlay_of_row if scopes is not None else None)
             found = [None] * b
             if self.suffix is not None and documents is not None:
                 found = [self.suffix.lookup(doc, caps[r]) if doc is not None else None
                          for r, doc in enumerate(documents)]
-            agreements, cells = self._choose_branches(roots.tolist(), chains, matches, table, found)
+            agreements, cells = self._choose_branches(roots.tolist(), chains, matches, table, found, scopes)
         if lean:
             t0 = time.perf_counter()
             plans = self.budget.plan_branches(chains, matches, agreements, cells)
@@ -183,14 +188,15 @@ class Drafter:
             t0 = time.perf_counter()
             root_list = roots.tolist()
             before_list = before.tolist() if pairs is not None else [EMPTY] * b
-            successors = self._successors([[before_list[r], root_list[r], *c[:-1]] for r, c in enumerate(chains) if c])
+            successors = self._successors([(r, [before_list[r], root_list[r], *c[:-1]]) for r, c in enumerate(chains) if c],
+                                          scopes)
             plans = self.budget.plan(root_list, successors, chains, matches, before_list, agreements, cells)
             full = propose(self.matrix, roots, self.template, self.budget.draft_depth(max(p[0] for p in plans)),
-                           pairs, before)
+                           pairs, before, scopes)
             self.budget.observe_host(True, time.perf_counter() - t0)
         else:
             plans = [(n, cap)] * b
-            full = (propose(self.matrix, roots, self.template, pairs=pairs, before=before)
+            full = (propose(self.matrix, roots, self.template, pairs=pairs, before=before, scopes=scopes)
                     if self.template is not None else roots[:, None])
         if plain_rows is not None:
             plans = [(0, 0) if off else p for p, off in zip(plans, plain_rows)]
@@ -203,7 +209,7 @@ class Drafter:
         return replace(batch, template_draft=full, before_roots=before if pairs is not None else None)
 
     def _choose_branches(self, roots: list[int], chains: list[list[int]], matches: list[int],
-                         table: list[list[int]], found: list[SuffixDraft | None]
+                         table: list[list[int]], found: list[SuffixDraft | None], scopes: RowScopes | None = None
                          ) -> tuple[list[list[bool]], list[list[int] | None] | None]:
         """Per row, the branch worth most (:func:`_branch_value` of its path rates under the
         budget's estimates; the first on a tie) of: its context's (``chains[r]``, ``matches[r]``),
@@ -221,7 +227,11 @@ class Drafter:
                 row.append((found[r].tokens, found[r].match, found[r]))
             options.append(row)
         flat_roots = [roots[r] for r, row in enumerate(options) for _ in row]
-        agreed = iter(self._agreements(flat_roots, [chain for row in options for chain, _, _ in row]))
+        flat_overlays = None
+        if scopes is not None:
+            of_row = scopes.overlay_of_row
+            flat_overlays = [of_row[r] for r, row in enumerate(options) for _ in row]
+        agreed = iter(self._agreements(flat_roots, [chain for row in options for chain, _, _ in row], flat_overlays))
         agreements: list[list[bool]] = []
         cells: list[list[int] | None] = []
         for r, row in enumerate(options):
@@ -243,32 +253,48 @@ class Drafter:
                 cells.append(best[3])
         return agreements, (cells if any(c is not None for c in cells) else None)
 
-    def _agreements(self, roots: list[int], chains: list[list[int]]) -> list[list[bool]]:
+    def _agreements(self, roots: list[int], chains: list[list[int]],
+                    overlays: Sequence[TenantRows | None] | None = None) -> list[list[bool]]:
         """Per row, per branch token: whether the matrix's first candidate of the token before it
         (the root, then the branch's own tokens) is that token, the evidence the budget prices
-        branch tokens by beside their match length (tr/acceptance_stats.py ContextStats). One gather."""
+        branch tokens by beside their match length (tr/acceptance_stats.py ContextStats); overlays[i]:
+        the tenant rows row i reads through. One gather."""
         before = [t for root, chain in zip(roots, chains) if chain for t in (root, *chain[:-1])]
-        first = iter(self.matrix.first_candidates(before))
+        own = None
+        if overlays is not None:
+            own = [o for o, chain in zip(overlays, chains) if chain for _ in chain]
+        first = iter(self.matrix.first_candidates(before, own))
         return [[next(first) == tok for tok in chain] for chain in chains]
 
-    def _successors(self, walks: list[list[int]]) -> Callable[[int, int], Sequence[int]]:
-        """``successors(before, token)``: the candidates the proposer drafts after ``token`` (whose
-        previous token is ``before``), for the consecutive pairs of ``walks`` (each: the token before
-        a root, the root, then the branch tokens it can walk through), read in one gather."""
-        pairs = sorted({(w[i - 1], w[i]) for w in walks for i in range(1, len(w))})
-        if not pairs:
-            return lambda before, token: {}[(before, token)]
-        prev = torch.tensor([p[0] for p in pairs], dtype=torch.long)
-        tok = torch.tensor([p[1] for p in pairs], dtype=torch.long)
-        table = self.matrix.table
+    def _successors(self, walks: list[tuple[int, list[int]]], scopes: RowScopes | None = None
+                    ) -> Callable[[int, int, int], Sequence[int]]:
+        """``successors(row, before, token)``: the candidates the proposer drafts for ``row`` after
+        ``token`` (whose previous token is ``before``), for the consecutive pairs of ``walks`` (each:
+        a row, then the token before its root, the root, then the branch tokens it can walk
+        through), read in one gather (plus one per tenant overlay in ``scopes``)."""
+        group = scopes.group_of_row if scopes is not None else None
+        keys = sorted({(group[r] if group is not None else -1, w[i - 1], w[i])
+                       for r, w in walks for i in range(1, len(w))})
+        if not keys:
+            return lambda row, before, token: {}[(row, before, token)]
+        prev = np.asarray([p[1] for p in keys], dtype=np.int64)
+        tok = np.asarray([p[2] for p in keys], dtype=np.int64)
+        table = self.matrix.table.numpy()
+        ranks = np.arange(self.matrix.k)[None, :]
         if self.pairs is None:
-            rows = table[tok].tolist()
+            rows = table[tok]
         else:
-            ranks = torch.arange(self.matrix.k)[None, :]
-            rows = self.pairs.successors(table.numpy(), prev.numpy()[:, None], tok.numpy()[:, None],
-                                         ranks.numpy()).tolist()
-        found = dict(zip(pairs, rows))
-        return lambda before, token: found[(before, token)]
+            rows = self.pairs.successors(table, prev[:, None], tok[:, None], ranks)
+        if scopes is not None:
+            key_group = np.asarray([p[0] for p in keys])
+            for g, (overlay, _) in enumerate(scopes.groups):
+                sel = np.flatnonzero(key_group == g)
+                if len(sel):
+                    rows[sel] = overlay.gather(tok[sel][:, None], ranks, rows[sel])
+        found = dict(zip(keys, rows.tolist()))
+        if group is None:
+            return lambda row, before, token: found[(-1, before, token)]
+        return lambda row, before, token: found[(group[row], before, token)]
 
     def _subtree(self, n: int) -> tuple[CompiledTree, torch.Tensor]:
         """The first ``n`` nodes of the current order as a tree, and their full-template indices."""

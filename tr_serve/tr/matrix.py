@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Protocol, Sequence
 
 import numpy as np
 import torch
@@ -29,6 +29,13 @@ def write_rows_on_host(table: np.ndarray, streak: np.ndarray, dirty: np.ndarray,
     dirty[ids] = True
 
 
+class RowOverlay(Protocol):
+    """Rows read over this matrix's for one tenant (tr/tenant_rows.py TenantRows, which imports this module)."""
+
+    def first_and_streak(self, token: int, table: np.ndarray, streak: np.ndarray) -> tuple[int, int]:
+        ...
+
+
 class PairRows(Protocol):
     """Where :meth:`AdjacencyMatrix.recycle` also writes rows keyed by (token before, token): the
     pair table (tr/pair_table.py, which imports this module)."""
@@ -48,6 +55,12 @@ def _winners(keys: list, tokens: list[int], prefer: list[bool] | None) -> dict:
         if j is None or not (prefer is not None and prefer[j] and not prefer[i]):
             winner[key] = i
     return winner
+
+
+def winning_nodes(tokens: list[int], prefer: list[bool] | None) -> list[int]:
+    """The nodes whose logits :meth:`AdjacencyMatrix.recycle` keeps, ascending: one per distinct
+    real token (a node on an accepted path first, then the last occurrence)."""
+    return sorted(_winners(tokens, tokens, prefer).values())
 
 
 class AdjacencyMatrix:
@@ -92,11 +105,10 @@ class AdjacencyMatrix:
         # dict walk beats the tensor version (a vocabulary-sized scatter and ~10 small ops)
         token_list = tokens.reshape(-1).tolist()
         prefer = preferred.reshape(-1).tolist() if preferred is not None else None
-        winner = _winners(token_list, token_list, prefer)  # token -> the node whose ids it keeps
-        if not winner:
+        index = winning_nodes(token_list, prefer)  # the node whose ids each token keeps
+        if not index:
             return
         top_np = (top.numpy() if isinstance(top, torch.Tensor) else np.asarray(top)).reshape(len(token_list), -1)
-        index = sorted(winner.values())
         ids = np.asarray([token_list[i] for i in index])  # distinct: one winner per token
         write_rows_on_host(self.table.numpy(), self.streak.numpy(), self._dirty.numpy(), ids,
                            top_np[index, : self.k].astype(np.int32))
@@ -159,25 +171,38 @@ class AdjacencyMatrix:
         self._dirty.zero_()
         self.streak.zero_()
 
-    def first_candidates(self, tokens: list[int]) -> list[int]:
-        """Each token's first candidate (EMPTY where its row holds nothing)."""
+    def first_candidates(self, tokens: list[int], overlays: Sequence[RowOverlay | None] | None = None) -> list[int]:
+        """Each token's first candidate (EMPTY where its row holds nothing); ``overlays[i]``: the
+        tenant rows token i reads through (tr/tenant_rows.py), None: the shared rows."""
         if not tokens:
             return []
-        return self.table[:, 0].numpy()[tokens].tolist()
+        first = self.table[:, 0].numpy()[tokens].tolist()
+        if overlays is not None:
+            table, streak = self.table.numpy(), self.streak.numpy()
+            first = [o.first_and_streak(t, table, streak)[0] if o is not None else f
+                     for t, f, o in zip(tokens, first, overlays)]
+        return first
 
-    def confident_chains(self, roots: list[int], caps: list[int], min_streak: int) -> list[list[int]]:
+    def confident_chains(self, roots: list[int], caps: list[int], min_streak: int,
+                         overlays: Sequence[RowOverlay | None] | None = None) -> list[list[int]]:
         """Per root, the chain of first candidates from it (root -> its first candidate -> that
         token's first candidate ...) while each token it leaves has a :attr:`streak` of at least
         ``min_streak``, at most ``caps[i]`` tokens: a context-free branch for a row whose context
-        has no match. Read through numpy views, no copy."""
-        first, streak = self.table[:, 0].numpy(), self.streak.numpy()
+        has no match; ``overlays[i]``: the tenant rows root i's chain reads through, None: the
+        shared rows. Read through numpy views, no copy."""
+        table, first, streak = self.table.numpy(), self.table[:, 0].numpy(), self.streak.numpy()
         chains = []
-        for token, cap in zip(roots, caps):
+        for i, (token, cap) in enumerate(zip(roots, caps)):
+            overlay = overlays[i] if overlays is not None else None
             chain: list[int] = []
-            while len(chain) < cap and token >= 0 and streak[token] >= min_streak:
-                token = int(first[token])
-                if token < 0:
+            while len(chain) < cap and token >= 0:
+                if overlay is None:
+                    nxt, confidence = int(first[token]), int(streak[token])
+                else:
+                    nxt, confidence = overlay.first_and_streak(token, table, streak)
+                if confidence < min_streak or nxt < 0:
                     break
+                token = nxt
                 chain.append(token)
             chains.append(chain)
         return chains

@@ -7,11 +7,13 @@ import torch
 
 from tr_serve.tr.matrix import EMPTY, AdjacencyMatrix
 from tr_serve.tr.pair_table import PairTable
+from tr_serve.tr.tenant_rows import RowScopes
 from tr_serve.tr.tree import CompiledTree
 
 
 def propose(matrix: AdjacencyMatrix, roots: torch.Tensor, tree: CompiledTree, max_depth: int | None = None,
-            pairs: PairTable | None = None, before: torch.Tensor | None = None) -> torch.Tensor:
+            pairs: PairTable | None = None, before: torch.Tensor | None = None,
+            scopes: RowScopes | None = None) -> torch.Tensor:
     """Fill ``tree`` for each row from its last accepted token.
 
     roots: [b] last accepted token of each row (not yet in the KV cache)
@@ -19,6 +21,8 @@ def propose(matrix: AdjacencyMatrix, roots: torch.Tensor, tree: CompiledTree, ma
     pairs, before: a pair table and [b] the token before each root (-1: none): a node's children
     are then the candidates after the pair (its parent's token, its token) where the table holds
     that pair, else after its token (tr/pair_table.py)
+    scopes: rows that read a tenant's overlay over the matrix (tr/tenant_rows.py), None: every row
+    reads the matrix alone
     returns: [b, n+1] tokens, column 0 = root, column i = node i (EMPTY where the parent's row
     has no candidate at that rank).
     """
@@ -44,5 +48,7 @@ def propose(matrix: AdjacencyMatrix, roots: torch.Tensor, tree: CompiledTree, ma
         else:
             drafted = pairs.successors(table, prev[:, parent], np.maximum(parent_tok, 0), ranks[nodes])
             prev[:, nodes] = parent_tok
+        if scopes is not None:
+            drafted = scopes.gather(parent_tok, ranks[nodes], drafted)
         tokens[:, nodes] = np.where(parent_tok >= 0, drafted, EMPTY)
     return torch.from_numpy(tokens)

@@ -9,12 +9,11 @@ and, under ``auto``, its budget), each request's context index, and the rules of
 from __future__ import annotations
 
 import time
-from dataclasses import replace
 from typing import Callable, Protocol
 
 import torch
 
-from tr_serve.engine.request_context import RequestContext
+from tr_serve.engine.request_context import SHARED_TENANT, RequestContext
 from tr_serve.runner.step_io import NextTokens, PrefillOutput
 from tr_serve.sampling_params import SamplingParams
 from tr_serve.tr.context_index import ContextIndex
@@ -24,6 +23,7 @@ from tr_serve.tr.matrix import EMPTY, AdjacencyMatrix, last_occurrences
 from tr_serve.tr.pair_table import PairTable
 from tr_serve.tr.step_latency import LatencyTable, StepLatency
 from tr_serve.tr.suffix_index import SuffixIndex
+from tr_serve.tr.tenant_rows import TenantMatrices
 from tr_serve.tr.tree import CompiledTree, compile_tree, load_template
 from tr_serve.tr.tree_spec import TreeSpec, parse_tree_spec
 from tr_serve.tr.verifier import Acceptance, accept_draft, choices_grid
@@ -41,6 +41,7 @@ class SpeculationSettings(Protocol):
     pair_table_slots: int
     suffix_index: bool | None
     suffix_index_tokens: int
+    tenant_matrix_rows: int
     online_latency: bool
 
 
@@ -92,6 +93,8 @@ class Speculator:
         # from the device brings the top-k ids it recycles (runner/step_io.py)
         self.matrix = matrix if matrix is not None else AdjacencyMatrix(vocab_size, settings.k)
         self.pairs = PairTable(vocab_size, settings.k, settings.pair_table_slots) if self.uses_pairs else None
+        # a named tenant's own rows, over the shared ones (tr/tenant_rows.py)
+        self.tenant_rows = TenantMatrices(self.matrix, settings.tenant_matrix_rows) if self.uses_matrix else None
         self.suffix = SuffixIndex(settings.suffix_index_tokens) if self.uses_suffix else None
         self.drafter: Drafter | None = None
         if not self.spec.plain:
@@ -186,15 +189,21 @@ class Speculator:
         if not self.spec.uses_matrix:
             return
         for i, (req, chunk, start) in enumerate(zip(batch, chunks, starts)):
-            if not teaches_matrix(req):
+            target = learns_into(req)
+            if target is None:
                 continue
             if positions is not None:
                 keep = positions[i]
-                self.matrix.recycle(torch.tensor(chunk)[keep], out.seeds[i], pairs=self.pairs,
-                                    before=self._prompt_tokens_before(req, start, keep))
+                tokens, top = torch.tensor(chunk)[keep], out.seeds[i]
             elif start + len(chunk) == len(req.prompt_ids):
-                self.matrix.recycle(torch.tensor(chunk[-1:]), out.last.top_k[i : i + 1], pairs=self.pairs,
-                                    before=self._prompt_tokens_before(req, start, [len(chunk) - 1]))
+                keep = [len(chunk) - 1]
+                tokens, top = torch.tensor(chunk[-1:]), out.last.top_k[i : i + 1]
+            else:
+                continue
+            if target == SHARED_TENANT:
+                self.matrix.recycle(tokens, top, pairs=self.pairs, before=self._prompt_tokens_before(req, start, keep))
+            else:
+                self.tenant_rows.recycle(target, tokens, top)
 
     def _prompt_tokens_before(self, req: SpeculatedRequest, start: int, positions: list[int]) -> torch.Tensor | None:
         """The token before each of ``positions`` of the prompt chunk at ``start`` (EMPTY before the
@@ -217,7 +226,9 @@ class Speculator:
         before = torch.tensor([r.token_before_last for r in batch]) if self.pairs is not None else None
         documents = [self._sync_suffix(r) for r in batch] if self.suffix is not None else None
         plain = [not r.request_context.speculation for r in batch]
-        return self.drafter.draft(roots, contexts, room, before, documents, plain if any(plain) else None)
+        scopes = self.tenant_rows.scopes([None if r.request_context.shared else r.request_context.tenant
+                                          for r in batch]) if self.tenant_rows is not None else None
+        return self.drafter.draft(roots, contexts, room, before, documents, plain if any(plain) else None, scopes)
 
     def accept(self, draft: DraftBatch, out: NextTokens, started: float) -> Acceptance:
         """Each row's longest path of the model's choices (sampled rows walk their draws as greedy
@@ -233,28 +244,32 @@ class Speculator:
                 batch: list[SpeculatedRequest] | None = None) -> None:
         """Write the real nodes' top-k ids (packed in row order, as the runner sends them) into the
         matrix and the pair table; a node on an accepted path wins over another of its token.
-        ``batch``: the rows' requests; only those that :func:`teaches_matrix` write rows."""
+        ``batch``: the rows' requests; each row writes where :func:`learns_into` says (the shared
+        rows, its tenant's overlay, or nowhere)."""
         if not self.spec.uses_matrix:
             return
-        on_path = acceptance.accepted_mask.numpy()
-        real = draft.real_nodes()
-        teaching_rows = [teaches_matrix(r) for r in batch] if batch is not None else None
-        if teaching_rows is not None and not all(teaching_rows):
-            if not any(teaching_rows):
-                return
-            teaching = torch.tensor(teaching_rows)
-            real = real if real is not None else torch.ones(draft.tokens.shape, dtype=torch.bool)
-            top_k = out.top_k  # packed over the real nodes, in row order
-            kept = teaching[:, None].expand_as(real)[real]
-            real = real & teaching[:, None]
-            out = replace(out, top_k=top_k[kept])
+        on_path = torch.from_numpy(acceptance.accepted_mask.numpy())
         before = draft.tokens_before() if draft.before_roots is not None else None
-        if real is None:
-            self.matrix.recycle(draft.tokens.reshape(-1), out.top_k, preferred=torch.from_numpy(on_path.reshape(-1)),
-                                pairs=self.pairs, before=before.reshape(-1) if before is not None else None)
-        else:
-            self.matrix.recycle(draft.tokens[real], out.top_k, preferred=torch.from_numpy(on_path[real.numpy()]),
-                                pairs=self.pairs, before=before[real] if before is not None else None)
+        targets = [learns_into(r) for r in batch] if batch is not None else [SHARED_TENANT] * draft.tokens.shape[0]
+        real = draft.real_nodes()
+        if all(t == SHARED_TENANT for t in targets):  # the common case: one write of every node
+            if real is None:
+                self.matrix.recycle(draft.tokens.reshape(-1), out.top_k, preferred=on_path.reshape(-1),
+                                    pairs=self.pairs, before=before.reshape(-1) if before is not None else None)
+            else:
+                self.matrix.recycle(draft.tokens[real], out.top_k, preferred=on_path[real],
+                                    pairs=self.pairs, before=before[real] if before is not None else None)
+            return
+        real = real if real is not None else torch.ones(draft.tokens.shape, dtype=torch.bool)
+        for target in dict.fromkeys(t for t in targets if t is not None):
+            rows = torch.tensor([t == target for t in targets])
+            kept = rows[:, None].expand_as(real)[real]  # top_k is packed over the real nodes, in row order
+            nodes = real & rows[:, None]
+            if target == SHARED_TENANT:
+                self.matrix.recycle(draft.tokens[nodes], out.top_k[kept], preferred=on_path[nodes], pairs=self.pairs,
+                                    before=before[nodes] if before is not None else None)
+            else:
+                self.tenant_rows.recycle(target, draft.tokens[nodes], out.top_k[kept], preferred=on_path[nodes])
 
     def _sync_suffix(self, req: SpeculatedRequest) -> int | None:
         """The request's suffix-index document caught up with its prompt and output (None when it
@@ -272,12 +287,15 @@ class Speculator:
         return doc
 
 
-def teaches_matrix(req: SpeculatedRequest) -> bool:
-    """Whether the request's verified nodes and prompt write matrix and pair-table rows: only the
-    shared tenant's, and not under ``learn: false``. Every request drafts from those rows, so a
-    named tenant's text must never reach them (docs/serving.md, "Tenants and privacy")."""
+def learns_into(req: SpeculatedRequest) -> str | None:
+    """Where the request's verified nodes and prompt write matrix rows: the shared rows
+    (:data:`SHARED_TENANT`, and the pair table) for the shared tenant, the tenant's own overlay
+    for a named tenant, nowhere under ``learn: false``. Every request drafts from the shared rows,
+    so a named tenant's text must never reach them (docs/serving.md, "Tenants and privacy")."""
     ctx = req.request_context
-    return ctx.learn and ctx.shared
+    if not ctx.learn:
+        return None
+    return SHARED_TENANT if ctx.shared else ctx.tenant
 
 
 def _synced_context(req: SpeculatedRequest) -> ContextIndex:
