@@ -47,9 +47,9 @@ def build_llm_deployment(config: TRServeConfig | dict, name_prefix: str = SERVER
 def build_openai_app(configs: Sequence[TRServeConfig | dict],
                      ingress_config: TRServeConfig | None = None) -> Application:
     """Ingress in front of one model server per config (model ids must be distinct). The ingress
-    options, JSON depth, drain timeout and start-up wait come from ``ingress_config`` (default: the
-    first config); the body size limit is the largest of the configs', the prompt character bound
-    is per model."""
+    options, JSON depth, drain timeout, start-up wait, queue timeout and per-key concurrency cap come
+    from ``ingress_config`` (default: the first config); the body size limit is the largest of the
+    configs', the prompt character bound is per model."""
     configs = [TRServeConfig.from_args(c) for c in configs]
     if not configs:
         raise ConfigError("invalid tr_serve config: no model to serve")
@@ -68,7 +68,8 @@ def build_openai_app(configs: Sequence[TRServeConfig | dict],
     keys = sorted(set(k for c in configs for k in c.resolved_api_keys()))
     limits = {"max_request_bytes": max(c.resolved_max_request_bytes() for c in configs),
               "max_json_depth": edge.max_json_depth, "drain_timeout_s": edge.drain_timeout_s,
-              "startup_wait_s": edge.startup_wait_s,
+              "startup_wait_s": edge.startup_wait_s, "queue_timeout_s": edge.queue_timeout_s,
+              "max_concurrent_requests_per_key": edge.max_concurrent_requests_per_key,
               "max_prompt_chars": {c.served_model_id: c.resolved_max_prompt_chars() for c in configs}}
     try:
         ingress = serve.deployment(OpenAIIngress).options(name=INGRESS_NAME, **edge.ingress_deployment_options())

@@ -143,6 +143,15 @@ class TRServeConfig(BaseModel):
     drain_timeout_s: float = Field(
         default=30.0, ge=0, description="on drain (SIGINT/SIGTERM to `tr-serve run`, a replaced replica): how long "
                                         "in-flight requests may take to finish before they end with an error")
+    queue_timeout_s: Optional[float] = Field(
+        default=None, gt=0, allow_inf_nan=False,
+        description="a request no model replica has taken within this many seconds of the ingress sending it is "
+                    "cancelled and gets 503 (code queue_timeout) with Retry-After; default: it waits")
+    max_concurrent_requests_per_key: Optional[int] = Field(
+        default=None, ge=1,
+        description="generation requests one API key (or one `tenants` group, its keys together) may have in "
+                    "flight at once; one more gets 429 (code too_many_requests) with Retry-After. Counted per "
+                    "ingress replica; with no key configured, every request is one caller. Default: no cap")
 
     # ---- model server deployment (Ray Serve options) ---------------------------------------
     num_replicas: Optional[Union[int, Literal["auto"]]] = 1

@@ -16,6 +16,9 @@ from tr_serve.serve.tenants import TenantDirectory
 logger = logging.getLogger("ray.serve")
 
 TENANT_STATE = "tr_tenant"  # request.state key of the caller's tenant id
+# request.state key of the caller's key or key group (a hashed id, never the key): what a per-key
+# cap counts. The tenant id would not do: with `isolation: none` every key is the one shared tenant
+CALLER_STATE = "tr_caller"
 HEALTH_ROUTES = frozenset({"/health"})  # the only routes served without an API key
 UNAVAILABLE_RETRY_AFTER_S = 5
 
@@ -45,34 +48,40 @@ def route_path(scope) -> str:
 class APIKeyMiddleware:
     """Pure ASGI: every route but the exact health routes needs ``Authorization: Bearer <key>``
     when keys are set. Runs before the body is read, so an unauthenticated request learns nothing
-    else. The key's tenant (serve/tenants.py) goes into the request's state as :data:`TENANT_STATE`."""
+    else. The key's tenant (serve/tenants.py) goes into the request's state as :data:`TENANT_STATE`,
+    its caller id as :data:`CALLER_STATE`: the id of its key or key group in ``callers`` (a directory
+    with isolation on), or the tenant id when ``callers`` is None (the two are the same then)."""
 
-    def __init__(self, app, tenants: TenantDirectory, on_reject=None):
+    def __init__(self, app, tenants: TenantDirectory, on_reject=None, callers: TenantDirectory | None = None):
         self.app = app
         self.tenants = tenants
+        self.callers = callers
         self.on_reject = on_reject
 
-    def _tenant(self, scope) -> str | None:
+    def _token(self, scope) -> bytes | None:
         for name, value in scope.get("headers", ()):
             if name == b"authorization":
                 scheme, _, token = value.partition(b" ")
                 token = token.strip()
                 if scheme.lower() != b"bearer" or not token:
                     return None
-                return self.tenants.tenant_of(token)
+                return token
         return None
 
     async def __call__(self, scope, receive, send):
         if scope["type"] == "http" and route_path(scope) not in HEALTH_ROUTES:
-            tenant = self._tenant(scope)
-            if tenant is None:
+            token = self._token(scope)
+            tenant = self.tenants.tenant_of(token) if token is not None else None
+            if token is None or tenant is None:
                 err = APIError(401, "missing or invalid API key: send 'Authorization: Bearer <key>'",
                                "authentication_error", None, "invalid_api_key", {"WWW-Authenticate": "Bearer"})
                 if self.on_reject is not None:
                     self.on_reject(route_path(scope))
                 await error_response(err)(scope, receive, send)
                 return
-            scope.setdefault("state", {})[TENANT_STATE] = tenant
+            state = scope.setdefault("state", {})
+            state[TENANT_STATE] = tenant
+            state[CALLER_STATE] = tenant if self.callers is None else self.callers.tenant_of(token) or tenant
         await self.app(scope, receive, send)
 
 

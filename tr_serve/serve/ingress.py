@@ -22,6 +22,12 @@ No model and no torch here: the ingress only parses, routes and frames. What it 
   of it has answered the probe: Serve routes HTTP to the ingress before the model replicas have
   loaded. A request for a model whose first replica is still starting waits for it up to
   ``startup_wait_s``, then gets 503 (code ``model_loading``) with ``Retry-After``.
+- **Admission.** With ``queue_timeout_s``, a request that no model replica has taken (its
+  ``ACCEPTED``) that long after it was sent is cancelled, out of Serve's queue, and answered 503
+  (code ``queue_timeout``). With ``max_concurrent_requests_per_key``, a key (or a ``tenants`` group)
+  with that many generation requests in flight on this ingress replica gets 429 (code
+  ``too_many_requests``) for one more, before its body is read; a slot is freed when its response
+  ends (a stream's end or its client leaving included).
 - **Drain.** ``drain()`` (called by ``tr-serve run`` on SIGINT/SIGTERM) refuses new generation
   requests with 503 and gives the ones in flight ``drain_timeout_s`` to finish; then a stream
   ends with an in-band error event and ``data: [DONE]``, a non-streamed request with a 503.
@@ -33,7 +39,7 @@ import asyncio
 import json
 import logging
 import time
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -47,7 +53,7 @@ from tr_serve.serve.protocol import (APIError, APIErrorException, ChatCompletion
                                      bad_request, check_json, echo, error_type_for, new_id, prompt_too_long,
                                      validation_error)
 from tr_serve.engine.request_context import DEFAULT_CONTEXT, SHARED_TENANT, RequestContext
-from tr_serve.serve.http_edge import (TENANT_STATE, APIKeyMiddleware, OpenAIErrorMiddleware, SSEResponse,
+from tr_serve.serve.http_edge import (CALLER_STATE, TENANT_STATE, APIKeyMiddleware, OpenAIErrorMiddleware, SSEResponse,
                                       error_response, sse_json)
 from tr_serve.serve.tenants import TenantDirectory
 from tr_serve.serve import refusals
@@ -62,13 +68,17 @@ PROBE_INTERVAL_S = 1.0
 PROBE_TIMEOUT_S = 5.0
 PARSE_IN_THREAD_BYTES = 64 * 1024  # larger bodies are parsed and walked in a worker thread
 DEFAULT_LIMITS = {"max_request_bytes": 327680, "max_json_depth": 32, "drain_timeout_s": 30.0,
-                  "startup_wait_s": 60.0}
+                  "startup_wait_s": 60.0, "queue_timeout_s": None, "max_concurrent_requests_per_key": None}
 
 
 def _consume(task: asyncio.Future) -> None:
     """Done callback of a task whose result nobody awaits: retrieve its exception (no log noise)."""
     if not task.cancelled():
         task.exception()
+
+
+def _no_slot() -> None:
+    """The release of a request that holds no per-key slot (no cap configured)."""
 
 
 def _cancel(gen) -> None:
@@ -84,7 +94,7 @@ class OpenAIIngress:
     """``llm_deployments`` maps served model ids to model server deployments (handles at run time);
     ``model_cards`` holds the ``/v1/models`` entry of each; ``limits`` the edge limits
     (``max_request_bytes``, ``max_json_depth``, ``drain_timeout_s``, ``startup_wait_s``,
-    ``max_prompt_chars`` per model)."""
+    ``queue_timeout_s``, ``max_concurrent_requests_per_key``, ``max_prompt_chars`` per model)."""
 
     def __init__(self, llm_deployments: dict, model_cards: dict[str, dict], api_keys: Optional[list[str]] = None,
                  limits: Optional[dict[str, Any]] = None, tenants: Optional[dict[str, list[str]]] = None,
@@ -100,10 +110,18 @@ class OpenAIIngress:
         self.max_json_depth = int(limits["max_json_depth"])
         self.drain_timeout_s = float(limits["drain_timeout_s"])
         self.startup_wait_s = float(limits["startup_wait_s"])
+        queue_timeout = limits.get("queue_timeout_s")
+        self.queue_timeout_s: float | None = float(queue_timeout) if queue_timeout is not None else None
+        cap = limits.get("max_concurrent_requests_per_key")
+        self.max_concurrent_per_key: int | None = int(cap) if cap is not None else None
+        self._per_key: dict[str, int] = {}  # caller id -> its generation requests in flight here
         # keys given at build time, plus the env var as this replica sees it
         # each key's tenant (serve/tenants.py): a key of its own, or one of a declared group
-        self.tenants = TenantDirectory.from_config(sorted(set(api_keys or []) | set(env_api_keys())),
-                                                   dict(tenants or {}), isolation)
+        keys = sorted(set(api_keys or []) | set(env_api_keys()))
+        self.tenants = TenantDirectory.from_config(keys, dict(tenants or {}), isolation)
+        # the per-key cap counts keys and groups even where isolation maps them all to one tenant
+        self.callers = (TenantDirectory.from_config(keys, dict(tenants or {}), "tenant")
+                        if self.max_concurrent_per_key is not None and isolation == "none" else None)
         self.metrics = IngressMetrics()
         self.draining = False
         self.drain_started: float | None = None
@@ -236,10 +254,48 @@ class OpenAIIngress:
         except ValidationError as e:
             return validation_error(list(e.errors(include_url=False, include_input=False)))
 
+    def _take_slot(self, caller: str) -> Optional[Callable[[], None]]:
+        """One of ``caller``'s ``max_concurrent_requests_per_key`` slots: its release (idempotent), or
+        None when the caller holds them all."""
+        cap = self.max_concurrent_per_key
+        if cap is None:
+            return _no_slot
+        held = self._per_key.get(caller, 0)
+        if held >= cap:
+            return None
+        self._per_key[caller] = held + 1
+        released = False
+
+        def release() -> None:
+            nonlocal released
+            if released:
+                return
+            released = True
+            left = self._per_key.get(caller, 0) - 1
+            if left > 0:
+                self._per_key[caller] = left
+            else:  # no entry per caller that has nothing in flight: the map stays as small as the load
+                self._per_key.pop(caller, None)
+        return release
+
     async def handle_generation(self, request: Request, model_cls, endpoint: str, method: str, id_prefix: str):
         self._ensure_monitor()
         if self.draining:
             return self.refuse("", endpoint, refusals.shutting_down("not accepting new requests"))
+        tenant = getattr(request.state, TENANT_STATE, SHARED_TENANT)  # no keys: one tenant
+        release = self._take_slot(getattr(request.state, CALLER_STATE, tenant))
+        if release is None:  # before the body is read: a caller over its cap costs nothing more
+            return self.refuse("", endpoint, refusals.too_many_requests(self.max_concurrent_per_key or 0))
+        response = None
+        try:
+            response = await self._handle_generation(request, model_cls, endpoint, method, id_prefix, tenant, release)
+            return response
+        finally:
+            if not isinstance(response, SSEResponse):  # a stream releases its slot when it closes
+                release()
+
+    async def _handle_generation(self, request: Request, model_cls, endpoint: str, method: str, id_prefix: str,
+                                 tenant: str, release: Callable[[], None]):
         body = await self.read_request(request, model_cls)
         if isinstance(body, APIError):
             return self.refuse("", endpoint, body)
@@ -263,8 +319,7 @@ class OpenAIIngress:
                 return self.refuse(body.model, endpoint, refusals.starting(model.name, waited))
         if not model.available:
             return self.refuse(body.model, endpoint, refusals.unavailable(model.reason))
-        tenant = getattr(request.state, TENANT_STATE, SHARED_TENANT)  # no keys: one tenant
-        return await self.generate(body, model, endpoint, method, id_prefix, RequestContext(tenant=tenant))
+        return await self.generate(body, model, endpoint, method, id_prefix, RequestContext(tenant=tenant), release)
 
     async def wait_started(self, model: ServedModel) -> float:
         """Wait up to ``startup_wait_s`` for the model's first replica (or a drain); the seconds waited."""
@@ -291,18 +346,23 @@ class OpenAIIngress:
 
     async def _accepted(self, gen, model: ServedModel) -> Optional[APIError]:
         """Wait until a live replica took the request (its ``ACCEPTED``): None, or the APIError
-        that ends it. Released with a 503 when the model loses its last replica meanwhile."""
+        that ends it. Released with a 503 when the model loses its last replica meanwhile, or when
+        ``queue_timeout_s`` passes first; either way the call is cancelled: a request still in
+        Serve's queue leaves it, one a replica has just taken is aborted there."""
         nxt = asyncio.ensure_future(self._next(gen))
         nxt.add_done_callback(_consume)
         gone = asyncio.ensure_future(model.gone.wait())
         try:
-            await asyncio.wait({nxt, gone}, return_when=asyncio.FIRST_COMPLETED)
+            done, _ = await asyncio.wait({nxt, gone}, timeout=self.queue_timeout_s,
+                                         return_when=asyncio.FIRST_COMPLETED)
         finally:
             gone.cancel()
             if not nxt.done():
                 _cancel(gen)
                 nxt.cancel()
         if not nxt.done() or nxt.cancelled():
+            if not done:  # neither came: the queue timeout passed
+                return refusals.queue_timeout(self.queue_timeout_s or 0.0)
             return refusals.unavailable(model.reason or "no running replica")
         try:
             item = nxt.result()
@@ -331,7 +391,9 @@ class OpenAIIngress:
         return APIError(500, f"internal error: {type(e).__name__}", "server_error")
 
     async def generate(self, body, model: ServedModel, endpoint: str, method: str, id_prefix: str,
-                       context: RequestContext = DEFAULT_CONTEXT):
+                       context: RequestContext = DEFAULT_CONTEXT, release: Callable[[], None] = _no_slot):
+        """Send the request to the model server and answer it; a streamed response takes ``release``
+        (the caller's per-key slot) and calls it once the stream is done with."""
         request_id = new_id(id_prefix)
         name = model.name
         gen = getattr(model.stream_handle, method).remote(body, request_id, context)
@@ -353,7 +415,7 @@ class OpenAIIngress:
             if not body.stream:
                 self.count(name, endpoint, 200)
                 return JSONResponse(first)
-            response = SSEResponse(self._sse(first, gen, model, endpoint), on_close=lambda: self._closed(gen),
+            response = SSEResponse(self._sse(first, gen, model, endpoint), on_close=lambda: self._closed(gen, release),
                                     media_type="text/event-stream",
                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
             handed_over = True
@@ -366,9 +428,10 @@ class OpenAIIngress:
                 _cancel(gen)
                 self.in_flight -= 1
 
-    def _closed(self, gen) -> None:
+    def _closed(self, gen, release: Callable[[], None] = _no_slot) -> None:
         _cancel(gen)  # no-op when the stream ran to its end
         self.in_flight -= 1
+        release()
 
     async def _sse(self, first, gen, model: ServedModel, endpoint: str):
         """``data: {json}`` per chunk, then ``data: [DONE]``; a failure after the 200 went out is an
@@ -399,7 +462,7 @@ def build_fastapi_app(ingress: OpenAIIngress) -> FastAPI:
     app = FastAPI(title="tr_serve", description="OpenAI-compatible API of a Token Recycling engine",
                   docs_url=None, redoc_url=None, openapi_url=None)
     if ingress.tenants:
-        app.add_middleware(APIKeyMiddleware, tenants=ingress.tenants,
+        app.add_middleware(APIKeyMiddleware, tenants=ingress.tenants, callers=ingress.callers,
                            on_reject=lambda path: ingress.count("", path, 401))
     app.add_middleware(OpenAIErrorMiddleware)  # added last: the outermost
 
