@@ -48,6 +48,9 @@ class LocalActor:
                 self.snapshot_calls += 1
                 return _Ref({"epoch": self.impl.epoch, "version": self.impl.version, "published_at": 0.0,
                              "ref": [_Ref(self.impl.state.cands.copy())]})
+            if name == "tenant_snapshot":  # as MatrixActor.tenant_snapshot, likewise
+                return _Ref({"epoch": self.impl.epoch, "tenant_version": self.impl.tenant_version,
+                             "ref": [_Ref(self.impl.tenant_table())]})
             if name == "corpus_snapshot":  # as MatrixActor.corpus_snapshot, likewise
                 self.corpus_calls += 1
                 corpus = self.corpus_override if self.corpus_override is not None else self.impl.corpus.batch()

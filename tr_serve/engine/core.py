@@ -25,6 +25,7 @@ if TYPE_CHECKING:
     from tr_serve.engine.scheduler import EngineLoad
     from tr_serve.sampling_params import SamplingParams
     from tr_serve.tr.matrix import AdjacencyMatrix
+    from tr_serve.tr.tenant_rows import TenantMatrices
 
 
 class EngineHandle(Protocol):
@@ -55,6 +56,9 @@ class EngineHandle(Protocol):
 
 class EngineCore(EngineHandle, Protocol):
     """An engine stepped by its one caller (``AsyncEngine``'s step thread, ``LLM.generate``)."""
+
+    # the named tenants' matrix overlays (None without a matrix): what the fleet shares per tenant
+    tenant_matrices: "TenantMatrices | None"
 
     def add_request(self, prompt_ids: list[int], params: "SamplingParams", request_id: str | None = None,
                     namespace: str | None = None, context: "RequestContext | None" = None) -> str:

@@ -78,6 +78,7 @@ class Engine:
             self._seed_prior(loaded)
         # what the fleet shares (fleet/sync.py)
         self.matrix, self.suffix = self.speculator.matrix, self.speculator.suffix
+        self.tenant_matrices = self.speculator.tenant_rows
         self.timer = timer or PhaseTimer(self.runner.device, enabled=False)
         self.scheduler = Scheduler(self.num_rows, config.max_prefill_tokens)
 

@@ -38,6 +38,7 @@ import dataclasses
 import logging
 import time
 import uuid
+from collections import OrderedDict
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -53,6 +54,8 @@ from tr_serve.fleet.snapshot import PREFIX as MATRIX_PREFIX
 from tr_serve.fleet.snapshot import (Identity, MatrixState, load_newest, remove_stale_temp_files,
                                      write_snapshot)
 from tr_serve.tr.suffix_index import DEFAULT_CAPACITY
+
+DEFAULT_TENANT_MATRIX_ROWS = 8192  # as EngineConfig.tenant_matrix_rows
 
 logger = logging.getLogger("tr_serve.fleet")
 
@@ -80,7 +83,8 @@ class ActorAddress:
 IDENTITY_KEYS = tuple(f.name for f in dataclasses.fields(Identity))
 
 
-def actor_spec(config: FleetSyncConfig, model_id: str, vocab_size: int, k: int, fingerprint: str) -> dict[str, Any]:
+def actor_spec(config: FleetSyncConfig, model_id: str, vocab_size: int, k: int, fingerprint: str,
+               tenant_matrix_rows: int = DEFAULT_TENANT_MATRIX_ROWS) -> dict[str, Any]:
     """The actor's constructor argument: its :class:`Identity` (as ``IDENTITY_KEYS``) and its
     snapshot settings. The snapshot folder is resolved here, on the caller."""
     identity = Identity(model_id, int(vocab_size), int(k), fingerprint, config.namespace_name)
@@ -91,6 +95,7 @@ def actor_spec(config: FleetSyncConfig, model_id: str, vocab_size: int, k: int, 
         "keep_snapshots": int(config.keep_snapshots),
         "half_life_s": float(config.half_life_s),
         "suffix_index_tokens": int(config.suffix_index_tokens),
+        "tenant_matrix_rows": int(tenant_matrix_rows),
     }
 
 
@@ -130,6 +135,12 @@ class MatrixActor:
         self._corpus_published: tuple[int, Any] | None = None  # (last seq, ObjectRef)
         self._published: tuple[int, float, Any] | None = None  # (version, published_at, ObjectRef)
         self._last_seq: dict[str, int] = {}
+        # each named tenant's rows (tr/tenant_rows.py), in memory only: token -> row, least recently
+        # written first, at most tenant_matrix_rows per tenant; the newest push of a row wins
+        self.tenant_capacity = int(spec.get("tenant_matrix_rows", DEFAULT_TENANT_MATRIX_ROWS))
+        self.tenant_rows: dict[str, OrderedDict[int, np.ndarray]] = {}
+        self.tenant_version = 0
+        self._tenants_published: tuple[int, Any] | None = None  # (tenant_version, ObjectRef)
         self._save_lock = asyncio.Lock()
         self._saver: asyncio.Task | None = None
         self.metrics.version.set(self.version)
@@ -163,12 +174,17 @@ class MatrixActor:
     async def state_version(self) -> dict[str, Any]:
         """The cheap poll."""
         self._ensure_saver()
-        return {"epoch": self.epoch, "version": self.version, "corpus_seq": self.corpus.last_seq}
+        return {"epoch": self.epoch, "version": self.version, "corpus_seq": self.corpus.last_seq,
+                "tenant_version": self.tenant_version}
 
-    async def push(self, replica_id: str, seq: int, ids, rows, docs: DocumentBatch | None = None) -> dict[str, Any]:
-        """Merge one replica's changed rows (the version grows when any row was merged) and add its
-        finished suffix-index documents ``docs`` to the corpus. A bad push is refused whole."""
+    async def push(self, replica_id: str, seq: int, ids, rows, docs: DocumentBatch | None = None,
+                   tenants: dict[str, tuple[Any, Any]] | None = None) -> dict[str, Any]:
+        """Merge one replica's changed rows (the version grows when any row was merged), add its
+        finished suffix-index documents ``docs`` to the corpus and each named tenant's changed
+        rows (``tenants``: tenant id -> (ids [n], rows [n, k])) to that tenant's rows. A bad push
+        is refused whole."""
         self._ensure_saver()
+        tenant_batches = self._checked_tenant_rows(tenants)
         if docs is not None:
             if not isinstance(docs, DocumentBatch):
                 raise ValueError(f"push with documents of type {type(docs).__name__}, expected a DocumentBatch")
@@ -191,13 +207,64 @@ class MatrixActor:
                 self.metrics.documents.inc(added)
             merged = merge_push(self.state.cands, self.state.scores, self.state.stamp, ids, rows.astype(np.int32),
                                 time.time(), self.half_life_s)
+            if tenant_batches:
+                for tenant, (t_ids, t_rows) in tenant_batches.items():
+                    self._put_tenant_rows(tenant, t_ids, t_rows)
+                self.tenant_version += 1
             if merged:
                 self.version += 1
                 self.rows_merged += merged
                 self.metrics.rows_merged.inc(merged)
                 self.metrics.version.set(self.version)
         return {"epoch": self.epoch, "version": self.version, "merged_version": self.version, "merged": merged,
-                "corpus_seq": self.corpus.last_seq, "corpus_seq_before": corpus_before, "documents_added": added}
+                "corpus_seq": self.corpus.last_seq, "corpus_seq_before": corpus_before, "documents_added": added,
+                "tenant_version": self.tenant_version}
+
+    def _checked_tenant_rows(self, tenants) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+        if tenants is None:
+            return {}
+        if not isinstance(tenants, dict):
+            raise ValueError(f"push with tenant rows of type {type(tenants).__name__}, expected a dict")
+        vocab, k = self.identity.vocab_size, self.identity.k
+        out = {}
+        for tenant, (t_ids, t_rows) in tenants.items():
+            t_ids = np.asarray(t_ids, dtype=np.int64).reshape(-1)
+            t_rows = np.asarray(t_rows)
+            if not isinstance(tenant, str) or t_rows.shape != (t_ids.size, k):
+                raise ValueError(f"push of tenant rows of shape {t_rows.shape} for {t_ids.size} ids")
+            if t_ids.size and (t_ids.min() < 0 or t_ids.max() >= vocab or t_rows.min() < EMPTY or t_rows.max() >= vocab):
+                raise ValueError("push with tenant row ids or candidates outside the vocabulary")
+            if t_ids.size:
+                out[tenant] = (t_ids, t_rows.astype(np.int32))
+        return out
+
+    def _put_tenant_rows(self, tenant: str, ids: np.ndarray, rows: np.ndarray) -> None:
+        """A tenant's pushed rows: the newest wins; past the cap its least recently written rows go."""
+        held = self.tenant_rows.setdefault(tenant, OrderedDict())
+        for token, row in zip(ids.tolist(), rows):
+            held.pop(token, None)
+            held[token] = row
+        while len(held) > self.tenant_capacity:
+            held.popitem(last=False)
+
+    def tenant_table(self) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+        """Every named tenant's rows as (ids [n], rows [n, k]): what :meth:`tenant_snapshot` publishes."""
+        k = self.identity.k
+        return {t: (np.fromiter(held.keys(), dtype=np.int64, count=len(held)),
+                    np.stack(list(held.values())) if held else np.empty((0, k), dtype=np.int32))
+                for t, held in self.tenant_rows.items()}
+
+    async def tenant_snapshot(self) -> dict[str, Any]:
+        """The named tenants' rows, put in the object store once per ``tenant_version``; the
+        ObjectRef inside a list, as :meth:`snapshot`'s. Each replica adopts every tenant's rows:
+        a tenant's rows draft only for that tenant's requests there (tr/tenant_rows.py)."""
+        import ray
+
+        self._ensure_saver()
+        if self._tenants_published is None or self._tenants_published[0] != self.tenant_version:
+            self._tenants_published = (self.tenant_version, ray.put(self.tenant_table()))
+        version, ref = self._tenants_published
+        return {"epoch": self.epoch, "tenant_version": version, "ref": [ref]}
 
     async def snapshot(self) -> dict[str, Any]:
         """The current table, put in the object store once per version. The ObjectRef is returned

@@ -17,6 +17,13 @@ Every ``sync_interval_s``:
 
 When the only change since the adopted version is this replica's own push, nothing is fetched.
 
+Named tenants' overlay rows (tr/tenant_rows.py) ride along: the take copies each overlay's rows
+changed since the last take, the push carries them per tenant id, and when the actor's
+``tenant_version`` is newer than the adopted one every tenant's merged rows are fetched and
+written into the overlays between steps (a row changed here since the last take stays: it is
+newer). A tenant's rows draft only for that tenant's requests on every replica. The actor keeps
+them in memory (no file): a restarted actor relearns them from the pushes that follow.
+
 The suffix index rides along (fleet/suffix_share.py): the take also copies the documents the
 engine finished, the push carries them, and when the actor's corpus has documents of other
 replicas this one has not indexed, the corpus object is fetched and they are indexed between
@@ -44,7 +51,8 @@ import numpy as np
 import torch
 
 from tr_serve.engine.async_engine import AsyncEngine
-from tr_serve.fleet.actor import IDENTITY_KEYS, ActorAddress, actor_spec, get_or_create_actor
+from tr_serve.fleet.actor import (DEFAULT_TENANT_MATRIX_ROWS, IDENTITY_KEYS, ActorAddress, actor_spec,
+                                  get_or_create_actor)
 from tr_serve.fleet.config import FleetSyncConfig
 from tr_serve.fleet.metrics import FleetMetrics
 from tr_serve.fleet.snapshot import tokenizer_fingerprint
@@ -74,7 +82,8 @@ class MatrixSync:
         self.model_id = model_id
         if fingerprint is None:
             fingerprint = tokenizer_fingerprint(tokenizer if tokenizer is not None else engine.tokenizer)
-        self.spec = actor_spec(config, model_id, self.vocab_size, self.k, fingerprint)
+        self.spec = actor_spec(config, model_id, self.vocab_size, self.k, fingerprint,
+                               getattr(engine.config, "tenant_matrix_rows", DEFAULT_TENANT_MATRIX_ROWS))
         self.name = ActorAddress.of(model_id, config.namespace_name).name
         self.replica_id = replica_id or f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
         # the suffix index's documents (None: not shared); an actor of an older release has no corpus
@@ -83,6 +92,11 @@ class MatrixSync:
         self._shadow_rows = torch.full((self.vocab_size, self.k), EMPTY, dtype=torch.int32)
         self._shadow_ver = torch.zeros(self.vocab_size, dtype=torch.int64)
         self._lock = threading.Lock()
+        # named tenants' overlay rows taken and not pushed yet: tenant id -> token -> row
+        self._tenant_pending: dict[str, dict[int, np.ndarray]] = {}
+        self._adopted_tenant_version = 0  # the actor's tenant_version last adopted (this epoch)
+        self.tenant_rows_pushed = 0
+        self.tenant_rows_adopted = 0
         self._actor = None
         self._epoch: str | None = None
         self._adopted_version = -1  # in the current epoch; -1 = nothing adopted
@@ -162,20 +176,24 @@ class MatrixSync:
         await self._between_steps(self._take_between_steps)
         ids, rows = self._begin_push()
         docs = self.suffix.payload() if self._shares_suffix else None
+        tenants = self._begin_tenant_push()
         try:
-            if ids.size or docs is not None:
+            if ids.size or docs is not None or tenants:
                 self._seq += 1
                 t0 = time.perf_counter()
-                args = (self.replica_id, self._seq, ids, rows) + ((docs,) if docs is not None else ())
+                args = (self.replica_id, self._seq, ids, rows) + ((docs,) if docs is not None or tenants else ())
+                args += (tenants,) if tenants else ()
                 reply = await self._rpc(actor.push.remote(*args))
                 self.metrics.push_latency.observe(time.perf_counter() - t0)
             else:
                 reply = await self._rpc(actor.state_version.remote())
         except asyncio.CancelledError:  # stopped mid-push: those rows go out with the next push
             self._push_failed(ids)
+            self._tenant_push_failed(tenants)
             raise
         except Exception as e:
             self._push_failed(ids)
+            self._tenant_push_failed(tenants)
             self._fail("actor_unreachable", e, drop_actor=True)
             result["error"] = self.last_error
             return result
@@ -202,6 +220,11 @@ class MatrixSync:
         if adopt and version > max(self._adopted_version, 0):
             result["adopted"] = await self._adopt(actor)
             if result["adopted"] is None:
+                result["error"] = self.last_error
+        if tenants:
+            self.tenant_rows_pushed += sum(len(t_ids) for t_ids, _ in tenants.values())
+        if adopt and int(reply.get("tenant_version", 0)) > self._adopted_tenant_version:
+            if await self._adopt_tenants(actor) is None:
                 result["error"] = self.last_error
         corpus_seq = int(reply.get("corpus_seq", 0))
         if adopt and self._shares_suffix and self.suffix.needs_import(corpus_seq):
@@ -246,6 +269,26 @@ class MatrixSync:
         self._adopted_version = version
         self._adopted_published_at = float(box["published_at"])
         self.adoptions += 1
+        return version
+
+    async def _adopt_tenants(self, actor) -> int | None:
+        """Fetch every named tenant's merged rows and write them into this replica's overlays
+        between steps; the tenant version adopted, or None on a failure (logged)."""
+        box = await self._box(actor.tenant_snapshot)
+        if box is None:
+            return None
+        version = int(box["tenant_version"])
+        if version <= self._adopted_tenant_version:
+            return self._adopted_tenant_version
+        table = await self._fetch_published(box)
+        if table is None:
+            return None
+        if not isinstance(table, dict):
+            self._fail("bad_snapshot", ValueError(f"tenant rows of type {type(table).__name__}, expected a dict"))
+            return None
+        table = {t: (np.array(i, dtype=np.int64), np.array(r, dtype=np.int32)) for t, (i, r) in table.items()}
+        await self._between_steps(lambda engine: self._adopt_tenants_between_steps(engine, table))
+        self._adopted_tenant_version = version
         return version
 
     async def _fetch_published(self, box: dict):
@@ -296,6 +339,24 @@ class MatrixSync:
                 self._shadow_rows[ids] = rows
                 self._shadow_ver[ids] = PENDING
 
+        overlays = getattr(engine, "tenant_matrices", None)
+        if overlays is not None:
+            taken = overlays.take_changed()
+            with self._lock:
+                for tenant, (t_ids, t_rows) in taken.items():
+                    self._tenant_pending.setdefault(tenant, {}).update(zip(t_ids.tolist(), t_rows))
+
+    def _adopt_tenants_between_steps(self, engine, table: dict[str, tuple[np.ndarray, np.ndarray]]) -> None:
+        t0 = time.perf_counter()
+        self._take_locked(engine)  # rows changed here since the last take stay (they are newer)
+        overlays = getattr(engine, "tenant_matrices", None)
+        if overlays is not None:
+            for tenant, (t_ids, t_rows) in table.items():
+                if len(t_ids):
+                    self.tenant_rows_adopted += overlays.adopt(tenant, t_ids, t_rows)
+        self.token_path_s += time.perf_counter() - t0
+        self.token_path_calls += 1
+
     def _take_between_steps(self, engine) -> None:
         t0 = time.perf_counter()
         self._take_locked(engine)
@@ -339,6 +400,20 @@ class MatrixSync:
             self._shadow_ver[ids] = IN_FLIGHT
         return ids.numpy(), rows.numpy()
 
+    def _begin_tenant_push(self) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+        with self._lock:
+            pending, self._tenant_pending = self._tenant_pending, {}
+        return {t: (np.fromiter(rows.keys(), dtype=np.int64, count=len(rows)), np.stack(list(rows.values())))
+                for t, rows in pending.items() if rows}
+
+    def _tenant_push_failed(self, tenants: dict[str, tuple[np.ndarray, np.ndarray]]) -> None:
+        """Tenant rows that did not reach the actor go out with the next push (unless taken again since)."""
+        with self._lock:
+            for tenant, (t_ids, t_rows) in tenants.items():
+                again = self._tenant_pending.setdefault(tenant, {})
+                for token, row in zip(t_ids.tolist(), t_rows):
+                    again.setdefault(token, row)
+
     def _push_failed(self, ids: np.ndarray) -> None:
         """The push did not reach the actor: its rows and documents go out with the next one."""
         if ids.size:
@@ -367,6 +442,7 @@ class MatrixSync:
             self._shadow_ver[merged] = PENDING  # the old actor merged them; the new one may not have
         self._epoch = epoch
         self._adopted_version = -1
+        self._adopted_tenant_version = 0
         self.restarts_seen += 1
         if self.suffix is not None:
             self.suffix.restarted()
@@ -446,7 +522,8 @@ class MatrixSync:
         age = None if self._adopted_published_at is None else max(0.0, time.time() - self._adopted_published_at)
         return {"actor": self.name, "connected": self._actor is not None, "epoch": self._epoch,
                 "adopted_version": max(self._adopted_version, 0), "pushes": self.pushes,
-                "rows_pushed": self.rows_pushed, "adoptions": self.adoptions, "restarts_seen": self.restarts_seen,
+                "rows_pushed": self.rows_pushed, "adoptions": self.adoptions,
+                "tenant_rows_pushed": self.tenant_rows_pushed, "tenant_rows_adopted": self.tenant_rows_adopted, "restarts_seen": self.restarts_seen,
                 "errors": self.errors, "last_error": self.last_error, "snapshot_age_s": age,
                 "token_path_s": self.token_path_s, "token_path_calls": self.token_path_calls,
                 "adopt_ms_last": self.adopt_s[-1] * 1e3 if self.adopt_s else None,

@@ -38,6 +38,7 @@ class TenantRows:
         self.rows = np.full((capacity, k), EMPTY, dtype=np.int32)
         self.streak = np.zeros(capacity, dtype=np.int8)
         self.written = np.zeros(capacity, dtype=np.int64)  # the write clock when each slot was last written
+        self.changed = np.zeros(capacity, dtype=bool)  # written here since the fleet last took it
         self.clock = 0
         self.evictions = 0
 
@@ -47,7 +48,7 @@ class TenantRows:
 
     @property
     def nbytes(self) -> int:
-        return sum(a.nbytes for a in (self.slot_of, self.token_of, self.rows, self.streak, self.written))
+        return sum(a.nbytes for a in (self.slot_of, self.token_of, self.rows, self.streak, self.written, self.changed))
 
     def write(self, ids: np.ndarray, rows: np.ndarray, base: AdjacencyMatrix) -> None:
         """Rows ``rows`` [n, k] at the distinct tokens ``ids`` [n]; a token's streak goes on from
@@ -66,6 +67,37 @@ class TenantRows:
         self.streak[slots] = np.where(kept, np.minimum(streak_before + 1, STREAK_CAP), 0)
         self.rows[slots] = rows
         self.written[slots] = self.clock
+        self.changed[slots] = True
+
+    def take_changed(self) -> tuple[np.ndarray, np.ndarray]:
+        """The tokens [n] and rows [n, k] written since the last take (what the fleet pushes)."""
+        slots = np.flatnonzero(self.changed & (self.token_of != EMPTY))
+        self.changed[:] = False
+        return self.token_of[slots].copy(), self.rows[slots].copy()
+
+    def adopt(self, ids: np.ndarray, rows: np.ndarray) -> int:
+        """The fleet's merged rows of this tenant (``rows`` [n, k] at distinct ``ids`` [n]): each
+        replaces a row held here unless that row changed here since the last take (it is newer),
+        and fills free slots otherwise; it never evicts a row this replica learned. Returns the
+        rows written."""
+        slots = self.slot_of[ids]
+        held = slots != NO_SLOT
+        mine = np.zeros(len(ids), dtype=bool)
+        mine[held] = self.changed[slots[held]]
+        take = held & ~mine
+        new = np.flatnonzero(~held)
+        free = np.flatnonzero(self.token_of == EMPTY)[: len(new)]
+        new = new[: len(free)]
+        self.slot_of[ids[new]] = free
+        self.token_of[free] = ids[new]
+        slots = slots.copy()
+        slots[new] = free
+        take[new] = True
+        at = slots[take]
+        self.rows[at] = rows[take]
+        self.streak[at] = 0  # how long another replica's first candidate held is not known here
+        self.written[at] = self.clock
+        return int(take.sum())
 
     def _claim(self, n: int, keep: np.ndarray) -> np.ndarray:
         """``n`` slots: free ones first, then the least recently written (never one of ``keep``,
@@ -159,6 +191,18 @@ class TenantMatrices:
         if len(ids) > self.capacity:  # more distinct tokens than the overlay holds: keep the last ones
             ids, rows = ids[-self.capacity :], rows[-self.capacity :]
         overlay.write(ids, rows, self.matrix)
+
+    def take_changed(self) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+        """Per tenant id, the (tokens [n], rows [n, k]) its overlay wrote since the last take."""
+        taken = {t: o.take_changed() for t, o in list(self.overlays.items())}
+        return {t: v for t, v in taken.items() if len(v[0])}
+
+    def adopt(self, tenant: str, ids: np.ndarray, rows: np.ndarray) -> int:
+        """:meth:`TenantRows.adopt` into ``tenant``'s overlay, made if it has none yet."""
+        overlay = self.overlays.get(tenant)
+        if overlay is None:
+            overlay = self.overlays[tenant] = TenantRows(self.matrix.vocab_size, self.matrix.k, self.capacity)
+        return overlay.adopt(np.asarray(ids, dtype=np.int64), np.asarray(rows, dtype=np.int32))
 
     def stats(self) -> dict[str, dict[str, int]]:
         """Per tenant id: rows held, the cap, bytes and rows evicted so far."""
