@@ -53,13 +53,18 @@ class _ControlTokens:
     space, would mark every piece)."""
 
     def __init__(self, tokenizer):
-        template = tokenizer.chat_template if isinstance(tokenizer.chat_template, str) else ""
-        tokens = {t.content for t in tokenizer.added_tokens_decoder.values()
+        # a tokenizer with no template string or no added tokens (a stand-in) has no control tokens
+        template = getattr(tokenizer, "chat_template", None)
+        template = template if isinstance(template, str) else ""
+        tokens = {t.content for t in getattr(tokenizer, "added_tokens_decoder", {}).values()
                   if t.content and not t.content.isspace() and (t.special or t.content in template)}
         alternatives = "|".join(re.escape(t) for t in sorted(tokens, key=len, reverse=True))
         self.pattern = re.compile(alternatives or "(?!)")  # (?!) matches nothing
-        self.newline = _encode_text(tokenizer, "\n")
-        self.anchored = _encode_text(tokenizer, "x") != self._after_newline(tokenizer, "x")
+        self.newline: list[int] = []
+        self.anchored = False
+        if tokens:  # without control tokens no message takes the piecewise path that needs these
+            self.newline = _encode_text(tokenizer, "\n")
+            self.anchored = _encode_text(tokenizer, "x") != self._after_newline(tokenizer, "x")
 
     def _after_newline(self, tokenizer, text: str) -> list[int] | None:
         ids = _encode_text(tokenizer, "\n" + text)
