@@ -147,3 +147,16 @@ def test_the_idle_calibration_is_measured_again_after_an_interruption_and_cached
     assert not list(tmp_path.rglob("*.json"))  # nothing half measured is cached
     assert job.advance(1.0, interrupted=lambda: False) is True
     assert len(list((tmp_path / "calibration").glob("*.json"))) == 1
+
+
+def test_a_cuda_device_is_named_by_its_accelerator(monkeypatch):
+    """The CUDA branch runs on CPU with torch's device query faked: the name is the card's."""
+    import torch
+
+    from tr_serve.runner import calibration
+
+    asked = []
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: asked.append(device) or "NVIDIA H100")
+    assert calibration.device_name(torch.device("cuda", 0)) == "NVIDIA H100"
+    assert asked == [torch.device("cuda", 0)]
+    assert "threads" in calibration.device_name(torch.device("cpu"))

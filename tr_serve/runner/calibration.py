@@ -30,7 +30,7 @@ POINTS = (1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 12, 16, 17, 20, 24, 32, 48, 64, 96, 128
 def device_name(device: torch.device) -> str:
     """What the latency table is keyed by: the accelerator's name, or the CPU and its torch threads."""
     if device.type == "cuda":
-        return torch.cuda.getdevice_name(device)
+        return torch.cuda.get_device_name(device)
     return f"{platform.machine()}-{platform.processor() or 'cpu'}-threads{torch.get_num_threads()}"
 
 
