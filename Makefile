@@ -42,7 +42,9 @@ run: setup
 generate: setup
 	$(VENV)/bin/tr-serve generate --prompt "Explain speculative decoding in two sentences." --max-tokens 96
 
+# the static type check first (pyproject.toml [tool.mypy]): a branch no test runs is still checked
 test: setup
+	$(PY) -m mypy
 	TR_SERVE_GPU_IMAGE_TRANSFORMERS=$(GPU_IMAGE_TRANSFORMERS_DIR) \
 		$(PY) -m pytest tests -n $(TEST_WORKERS) --dist loadgroup $(PYTEST_ARGS)
 

@@ -249,25 +249,25 @@ def run_concurrency(loaded, schedule: dict[int, LevelPlan], max_new_tokens: int,
         base = _merge(base_runs)
         table = {}
         for m in methods:
-            r = _merge(runs[m.name])
+            merged = _merge(runs[m.name])
             mismatched = [(ri, plan.rounds[ri][i].question_id) for ri, res in enumerate(runs[m.name])
                           for i, ids in enumerate(res.outputs) if ids != base_runs[ri].outputs[i]]
             table[m.name] = {
                 "tree": m.tree,
                 "budget": m.budget,
-                "throughput_tokens_per_s": r.tokens / r.wall_s,
-                "tokens_per_s": sum(r.per_request_tps) / len(r.per_request_tps),
-                "mat": r.accepted / r.steps if r.steps else None,
+                "throughput_tokens_per_s": merged.tokens / merged.wall_s,
+                "tokens_per_s": sum(merged.per_request_tps) / len(merged.per_request_tps),
+                "mat": merged.accepted / merged.steps if merged.steps else None,
                 "identical": not mismatched,
-                "throughput_vs_baseline": (r.tokens / r.wall_s) / (base.tokens / base.wall_s),
+                "throughput_vs_baseline": (merged.tokens / merged.wall_s) / (base.tokens / base.wall_s),
                 # the same ratio in each round alone: how far it moves between rounds is the noise
                 # a ranking has to clear (the whole-run ratio hides it)
                 "throughput_vs_baseline_per_round": [(res.tokens / res.wall_s) / (b.tokens / b.wall_s)
                                                      for res, b in zip(runs[m.name], base_runs)],
-                "mean_tree_nodes": sum(r.budgets) / max(1, len(r.budgets)),
-                "new_tokens": r.tokens,
-                "verification_steps": r.steps,
-                "accepted": r.accepted,
+                "mean_tree_nodes": sum(merged.budgets) / max(1, len(merged.budgets)),
+                "new_tokens": merged.tokens,
+                "verification_steps": merged.steps,
+                "accepted": merged.accepted,
                 **({"time_split": cores[m.name].timer.split()} if time_split else {}),
             }
             if mismatched:

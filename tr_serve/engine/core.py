@@ -59,6 +59,7 @@ class EngineCore(EngineHandle, Protocol):
 
     # the named tenants' matrix overlays (None without a matrix): what the fleet shares per tenant
     tenant_matrices: "TenantMatrices | None"
+    runner: Any  # the model runner: start-up work (runner/startup_work.py) installs what it measured into it
 
     def add_request(self, prompt_ids: list[int], params: "SamplingParams", request_id: str | None = None,
                     namespace: str | None = None, context: "RequestContext | None" = None) -> str:

@@ -30,7 +30,7 @@ def cache_keyword(module: Any) -> str:
 
 @functools.lru_cache(maxsize=None)
 def _forward_cache_keyword(cls: type) -> str:
-    params = inspect.signature(cls.forward).parameters  # follows functools.wraps of decorators
+    params = inspect.signature(getattr(cls, "forward")).parameters  # follows functools.wraps of decorators
     for name in CACHE_KEYWORDS:
         if name in params:
             return name

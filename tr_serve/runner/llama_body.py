@@ -107,7 +107,8 @@ def _build(model) -> Callable | None:
             h, cos, sin = h.contiguous(), cos.contiguous(), sin.contiguous()
             driver = c_loop(cpu_kernels.active_plan(), cache, t) if queries is not None else None
             if driver is not None:
-                return layer_driver.run(driver, h, cos, sin, *cache.packed_targets(), queries)
+                rows, slots = cache.packed_targets()
+                return layer_driver.run(driver, h, cos, sin, rows, slots, queries)
             return _native_layers(layers, inner.norm, h, cos, sin, cache, segments, mask, queries)
         for i, layer in enumerate(layers):
             attn = layer.self_attn
@@ -146,7 +147,8 @@ def _build(model) -> Callable | None:
         tree attention's queries and the native layer ops; None where the Python loop runs it."""
         return _driver(drivers, layers, inner.norm, cache) if layer_driver.applies(plan, tokens) else None
 
-    body.c_loop_takes = lambda plan, cache, tokens: c_loop(plan, cache, tokens) is not None  # the runner asks first
+    # the runner asks first (an attribute of the function: the body stays a plain callable)
+    body.c_loop_takes = lambda plan, cache, tokens: c_loop(plan, cache, tokens) is not None  # type: ignore[attr-defined]
     return body
 
 

@@ -156,8 +156,9 @@ class ModelRunner(StepRunner):
         if self.tree_attention:  # the native CPU path: tree attention, else torch's under the 4D mask
             body = body_for(self.model)  # plain Llama: its layers without transformers' wrappers, same arithmetic
             if body is not None and self.cache.step_runs is not None:  # rows ascending
+                takes = body.c_loop_takes  # type: ignore[attr-defined]  # set by llama_body.body_for
                 c_loop = (q > tree_attention.MAX_WIDTH and self.layer_ops
-                          and body.c_loop_takes(self.kernel_plan, self.cache, sum(widths) if widths else b * q))
+                          and takes(self.kernel_plan, self.cache, sum(widths) if widths else b * q))
                 if tree_attention.takes(b, q, verify=verifying, c_loop=c_loop):
                     queries = tree_attention.step_queries(rows.tolist(), starts.tolist(), widths or [q] * b, local)
             if queries is None:

@@ -36,8 +36,8 @@ def build_llm_deployment(config: TRServeConfig | dict, name_prefix: str = SERVER
     """One model server deployment bound to its (validated) config."""
     config = TRServeConfig.from_args(config)
     try:
-        deployment = serve.deployment(LLMServer).options(name=deployment_name(config.served_model_id, name_prefix),
-                                                         **config.server_deployment_options())
+        deployment = serve.deployment(LLMServer).options(  # type: ignore[attr-defined]  # Ray's decorator type
+            name=deployment_name(config.served_model_id, name_prefix), **config.server_deployment_options())
     except (ValueError, TypeError) as e:  # Serve's own checks (placement group vs actor resources, ...)
         raise ConfigError("invalid tr_serve config: ray_actor_options / placement_group_bundles / Serve options "
                           f"of the model server are rejected: {e}") from None
@@ -72,7 +72,8 @@ def build_openai_app(configs: Sequence[TRServeConfig | dict],
               "max_concurrent_requests_per_key": edge.max_concurrent_requests_per_key,
               "max_prompt_chars": {c.served_model_id: c.resolved_max_prompt_chars() for c in configs}}
     try:
-        ingress = serve.deployment(OpenAIIngress).options(name=INGRESS_NAME, **edge.ingress_deployment_options())
+        ingress = serve.deployment(OpenAIIngress).options(  # type: ignore[attr-defined]  # Ray's decorator type
+            name=INGRESS_NAME, **edge.ingress_deployment_options())
     except (ValueError, TypeError) as e:
         raise ConfigError(f"invalid tr_serve config: ingress options are rejected: {e}") from None
     return ingress.bind(llm_deployments=servers, model_cards=cards, api_keys=keys, limits=limits,

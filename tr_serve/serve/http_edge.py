@@ -159,7 +159,7 @@ class SSEResponse(StreamingResponse):
             await super().__call__(scope, receive, send)
         finally:
             try:
-                await self.body_iterator.aclose()
+                await self.body_iterator.aclose()  # type: ignore[attr-defined]  # our bodies are async generators
             except Exception:  # already closed or still being closed by its own task
                 pass
             self._on_close()

@@ -283,7 +283,7 @@ def run(args) -> int:
         token_source = ensure_token()
         if "ray" in sys.modules:
             import ray._private.ray_constants as ray_constants
-            from ray._raylet import Config
+            from ray._raylet import Config  # type: ignore[attr-defined]  # compiled: no stub
 
             ray_constants.ENABLE_RAY_CLUSTER = False
             Config.initialize("")  # re-read RAY_AUTH_MODE, as ray's own token set-up does

@@ -225,7 +225,7 @@ class LLMServer:
                 seen_steps = len(steps)
                 yield out
         finally:
-            await gen.aclose()
+            await gen.aclose()  # type: ignore[attr-defined]  # AsyncEngine.generate is an async generator
             end = time.monotonic()
             m.prompt_tokens.inc(len(ids))
             if last is not None and last.finished:

@@ -64,8 +64,8 @@ class TPWorker:
         if cpu_threads:
             torch.set_num_threads(cpu_threads)
         self.placement: GPUPlacement | None = None
-        self.loaded = None
-        self.runner = None
+        self.loaded: Any = None  # set by load()
+        self.runner: Any = None  # set by allocate()
         self.audit = None  # a SyncAudit when allocate(sync_audit=True)
         self.sync_counts: list[int] = []  # forced device-to-host syncs per run(), when audited
         from tr_serve.runner.startup_work import StartupWork
