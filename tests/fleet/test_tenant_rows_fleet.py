@@ -63,3 +63,46 @@ def test_a_bad_tenant_push_is_refused_whole_and_a_failed_one_is_sent_again(fleet
     sa._actor = actor
     assert run(sa.sync_once())["error"] is None
     assert len(actor.impl.tenant_rows["tenant-t"]) == ea.tenant_matrices.overlays["tenant-t"].num_rows
+
+
+def test_on_the_embedded_model_a_tenants_answer_reaches_the_next_replica_for_it_alone(loaded, tmp_path, monkeypatch):
+    """The same promise on the real model: after one sync, replica B drafts for tenant T exactly as
+    replica A (where T's rows were learned) does; tenant U on B drafts exactly as on a replica that
+    never synced; every output is plain decoding's."""
+    from types import SimpleNamespace
+
+    from local_actor import LocalActor
+    from tr_serve.engine.config import EngineConfig
+    from tr_serve.engine.engine import Engine
+    from tr_serve.engine.prompt import encode_prompt
+    from tr_serve.fleet import FleetSyncConfig
+    from tr_serve.fleet import actor as fleet_actor
+    from tr_serve.fleet.sync import MatrixSync
+
+    monkeypatch.setattr(fleet_actor, "atexit", SimpleNamespace(register=lambda *a, **kw: None))
+    cfg = FleetSyncConfig(enabled=True, namespace="unit", snapshot_dir=str(tmp_path), snapshot_interval_s=3600)
+    config = EngineConfig(model=loaded.model_id, tree=TREE, max_num_seqs=2, max_model_len=1024)
+    engines, syncs = [], []
+    for name in ("A", "B", "C"):
+        engines.append(Engine(loaded, config))
+        syncs.append(MatrixSync(engines[-1], cfg, model_id=loaded.model_id, fingerprint="fp", replica_id=name))
+    actor = LocalActor(syncs[0].spec)
+    for s in syncs:
+        s._actor = actor
+    (ea, eb, ec), (sa, sb, _) = engines, syncs
+    prompt = encode_prompt(loaded.tokenizer, [{"role": "user", "content": "Explain what a hash table is."}])
+    want = serve(Engine(loaded, EngineConfig(model=loaded.model_id, tree="none", max_model_len=1024)), prompt, 48)
+
+    first = serve(ea, prompt, 48, namespace="tenant-t")
+    assert run(sa.sync_once())["error"] is None and run(sb.sync_once())["error"] is None
+    assert sb.tenant_rows_adopted > 0
+    u_fresh = serve(ec, prompt, 48, namespace="tenant-u")  # C never synced
+    warm = serve(eb, prompt, 48, namespace="tenant-t")
+    other = serve(eb, prompt, 48, namespace="tenant-u")
+    again = serve(ea, prompt, 48, namespace="tenant-t")  # T's second request where its rows were learned
+    assert first.token_ids == warm.token_ids == again.token_ids == want.token_ids
+    assert other.token_ids == u_fresh.token_ids == want.token_ids
+    # B drafts for T exactly as the replica that learned T's rows does, and unlike a cold replica
+    assert warm.stats.accepted_per_step == again.stats.accepted_per_step
+    assert warm.stats.accepted_per_step != u_fresh.stats.accepted_per_step
+    assert other.stats.accepted_per_step == u_fresh.stats.accepted_per_step  # U: as if T never existed
