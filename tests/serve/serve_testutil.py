@@ -39,3 +39,21 @@ class AcceptedThenOk:
 
     def cancel(self):
         pass
+
+
+class LiveHandle:
+    """The part of a model server handle the ingress probes: ``options`` and a ``broadcast`` whose
+    one replica answers alive for ``model``. Ingress tests subclass it with their own routes."""
+
+    model = "m"
+
+    def options(self, **kwargs):
+        return self
+
+    def broadcast(self, method: str):
+        model = self.model
+
+        class _B:
+            async def results_async(self, timeout_s, return_exceptions):
+                return [{"model": model, "alive": True}]
+        return _B()

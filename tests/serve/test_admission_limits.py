@@ -15,6 +15,7 @@ import pytest
 from tr_serve.serve.config import ConfigError, TRServeConfig
 from tr_serve.serve.ingress import OpenAIIngress, build_fastapi_app
 from tr_serve.serve.server import ACCEPTED
+from serve_testutil import LiveHandle
 
 MODEL = "m"
 BODY = {"model": MODEL, "prompt": "hi", "max_tokens": 2}
@@ -52,7 +53,7 @@ class _Call:
         self.cancelled = True
 
 
-class _Handle:
+class _Handle(LiveHandle):
     """A model server handle with one live replica; ``accept``: None never admits a request."""
 
     def __init__(self, accept: asyncio.Event | None = None):
@@ -60,15 +61,6 @@ class _Handle:
         self.release = asyncio.Event()  # held requests answer once it is set
         self.release.set()
         self.calls: list[_Call] = []
-
-    def options(self, **kwargs):
-        return self
-
-    def broadcast(self, method: str):
-        class _B:
-            async def results_async(self, timeout_s, return_exceptions):
-                return [{"model": MODEL, "alive": True}]
-        return _B()
 
     def _call(self, body) -> _Call:
         # a stream's first chunk comes at once (its 200 goes out), the rest waits; a full response waits

@@ -8,26 +8,17 @@ import httpx
 
 from tr_serve.engine.request_context import SHARED_TENANT
 from tr_serve.serve.ingress import OpenAIIngress, build_fastapi_app
-from serve_testutil import AcceptedThenOk
+from serve_testutil import AcceptedThenOk, LiveHandle
 
 MODEL = "m"
 BODY = {"model": MODEL, "prompt": "hi", "max_tokens": 2}
 
 
-class _Handle:
+class _Handle(LiveHandle):
     """A model server handle with one live replica that records each request's context."""
 
     def __init__(self):
         self.contexts = []
-
-    def options(self, **kwargs):
-        return self
-
-    def broadcast(self, method: str):
-        class _B:
-            async def results_async(self, timeout_s, return_exceptions):
-                return [{"model": MODEL, "alive": True}]
-        return _B()
 
     @property
     def completions(self):

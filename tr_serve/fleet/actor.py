@@ -189,13 +189,7 @@ class MatrixActor:
             if not isinstance(docs, DocumentBatch):
                 raise ValueError(f"push with documents of type {type(docs).__name__}, expected a DocumentBatch")
             docs.check(self.identity.vocab_size, numbered=False)
-        ids = np.asarray(ids, dtype=np.int64).reshape(-1)
-        rows = np.asarray(rows)
-        vocab, k = self.identity.vocab_size, self.identity.k
-        if rows.shape != (ids.size, k):
-            raise ValueError(f"push of {ids.size} ids with rows of shape {rows.shape}, expected ({ids.size}, {k})")
-        if ids.size and (ids.min() < 0 or ids.max() >= vocab or rows.min() < EMPTY or rows.max() >= vocab):
-            raise ValueError("push with row ids or candidates outside the vocabulary")
+        ids, rows = self._checked_rows(ids, rows, "row")
         last = self._last_seq.get(replica_id)
         merged = added = 0
         corpus_before = self.corpus.last_seq
@@ -225,18 +219,26 @@ class MatrixActor:
             return {}
         if not isinstance(tenants, dict):
             raise ValueError(f"push with tenant rows of type {type(tenants).__name__}, expected a dict")
-        vocab, k = self.identity.vocab_size, self.identity.k
         out = {}
         for tenant, (t_ids, t_rows) in tenants.items():
-            t_ids = np.asarray(t_ids, dtype=np.int64).reshape(-1)
-            t_rows = np.asarray(t_rows)
-            if not isinstance(tenant, str) or t_rows.shape != (t_ids.size, k):
-                raise ValueError(f"push of tenant rows of shape {t_rows.shape} for {t_ids.size} ids")
-            if t_ids.size and (t_ids.min() < 0 or t_ids.max() >= vocab or t_rows.min() < EMPTY or t_rows.max() >= vocab):
-                raise ValueError("push with tenant row ids or candidates outside the vocabulary")
+            if not isinstance(tenant, str):
+                raise ValueError(f"push of tenant rows under a {type(tenant).__name__}, expected a tenant id")
+            t_ids, t_rows = self._checked_rows(t_ids, t_rows, "tenant row")
             if t_ids.size:
                 out[tenant] = (t_ids, t_rows.astype(np.int32))
         return out
+
+    def _checked_rows(self, ids, rows, what: str) -> tuple[np.ndarray, np.ndarray]:
+        """``ids`` [n] and ``rows`` [n, k] as arrays, or ValueError when the shapes disagree or an id
+        or candidate is outside the vocabulary."""
+        ids = np.asarray(ids, dtype=np.int64).reshape(-1)
+        rows = np.asarray(rows)
+        vocab, k = self.identity.vocab_size, self.identity.k
+        if rows.shape != (ids.size, k):
+            raise ValueError(f"push of {ids.size} {what} ids with rows of shape {rows.shape}, expected ({ids.size}, {k})")
+        if ids.size and (ids.min() < 0 or ids.max() >= vocab or rows.min() < EMPTY or rows.max() >= vocab):
+            raise ValueError(f"push with {what} ids or candidates outside the vocabulary")
+        return ids, rows
 
     def _put_tenant_rows(self, tenant: str, ids: np.ndarray, rows: np.ndarray) -> None:
         """A tenant's pushed rows: the newest wins; past the cap its least recently written rows go."""

@@ -174,6 +174,13 @@ class TenantMatrices:
         group_of_row = tuple(names.index(t) if t in by_overlay else -1 for t in tenants)
         return RowScopes(groups, group_of_row)
 
+    def _overlay(self, tenant: str) -> TenantRows:
+        """``tenant``'s overlay, made at its first write."""
+        overlay = self.overlays.get(tenant)
+        if overlay is None:
+            overlay = self.overlays[tenant] = TenantRows(self.matrix.vocab_size, self.matrix.k, self.capacity)
+        return overlay
+
     def recycle(self, tenant: str, tokens: torch.Tensor, top: torch.Tensor,
                 preferred: torch.Tensor | None = None) -> None:
         """:meth:`AdjacencyMatrix.recycle` into ``tenant``'s overlay (the same winner per token)."""
@@ -183,9 +190,7 @@ class TenantMatrices:
         if not index:
             return
         top_np = (top.numpy() if isinstance(top, torch.Tensor) else np.asarray(top)).reshape(len(token_list), -1)
-        overlay = self.overlays.get(tenant)
-        if overlay is None:
-            overlay = self.overlays[tenant] = TenantRows(self.matrix.vocab_size, self.matrix.k, self.capacity)
+        overlay = self._overlay(tenant)
         ids = np.asarray([token_list[i] for i in index], dtype=np.int64)
         rows = top_np[index, : self.matrix.k].astype(np.int32)
         if len(ids) > self.capacity:  # more distinct tokens than the overlay holds: keep the last ones
@@ -199,10 +204,7 @@ class TenantMatrices:
 
     def adopt(self, tenant: str, ids: np.ndarray, rows: np.ndarray) -> int:
         """:meth:`TenantRows.adopt` into ``tenant``'s overlay, made if it has none yet."""
-        overlay = self.overlays.get(tenant)
-        if overlay is None:
-            overlay = self.overlays[tenant] = TenantRows(self.matrix.vocab_size, self.matrix.k, self.capacity)
-        return overlay.adopt(np.asarray(ids, dtype=np.int64), np.asarray(rows, dtype=np.int32))
+        return self._overlay(tenant).adopt(np.asarray(ids, dtype=np.int64), np.asarray(rows, dtype=np.int32))
 
     def stats(self) -> dict[str, dict[str, int]]:
         """Per tenant id: rows held, the cap, bytes and rows evicted so far."""
