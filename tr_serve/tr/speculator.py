@@ -200,10 +200,17 @@ class Speculator:
                 tokens, top = torch.tensor(chunk[-1:]), out.last.top_k[i : i + 1]
             else:
                 continue
-            if target == SHARED_TENANT:
-                self.matrix.recycle(tokens, top, pairs=self.pairs, before=self._prompt_tokens_before(req, start, keep))
-            else:
-                self.tenant_rows.recycle(target, tokens, top)
+            before = self._prompt_tokens_before(req, start, keep) if target == SHARED_TENANT else None
+            self._learn(target, tokens, top, before=before)
+
+    def _learn(self, target: str, tokens: torch.Tensor, top: torch.Tensor, preferred: torch.Tensor | None = None,
+               before: torch.Tensor | None = None) -> None:
+        """Rows ``top`` [n, >=k] at ``tokens`` [n] into the shared rows (and the pair table, with
+        ``before`` [n]) or ``target``'s overlay, as :func:`learns_into` named it."""
+        if target == SHARED_TENANT:
+            self.matrix.recycle(tokens, top, preferred=preferred, pairs=self.pairs, before=before)
+        else:
+            self.tenant_rows.recycle(target, tokens, top, preferred)
 
     def _prompt_tokens_before(self, req: SpeculatedRequest, start: int, positions: list[int]) -> torch.Tensor | None:
         """The token before each of ``positions`` of the prompt chunk at ``start`` (EMPTY before the
@@ -265,11 +272,8 @@ class Speculator:
             rows = torch.tensor([t == target for t in targets])
             kept = rows[:, None].expand_as(real)[real]  # top_k is packed over the real nodes, in row order
             nodes = real & rows[:, None]
-            if target == SHARED_TENANT:
-                self.matrix.recycle(draft.tokens[nodes], out.top_k[kept], preferred=on_path[nodes], pairs=self.pairs,
-                                    before=before[nodes] if before is not None else None)
-            else:
-                self.tenant_rows.recycle(target, draft.tokens[nodes], out.top_k[kept], preferred=on_path[nodes])
+            self._learn(target, draft.tokens[nodes], out.top_k[kept], preferred=on_path[nodes],
+                        before=before[nodes] if before is not None and target == SHARED_TENANT else None)
 
     def _sync_suffix(self, req: SpeculatedRequest) -> int | None:
         """The request's suffix-index document caught up with its prompt and output (None when it
