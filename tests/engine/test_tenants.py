@@ -55,17 +55,51 @@ def test_matrix_rows_written_by_one_tenant_never_draft_for_another(loaded):
 
 
 def test_the_suffix_index_and_matrix_of_one_tenant_never_draft_for_another(loaded):
-    # A decodes without speculation: its text still fills its suffix documents and its matrix rows,
-    # but its steps teach the budget's shared acceptance estimates nothing (the one channel left
-    # open, docs/serving.md "Tenants and privacy"), so B's drafts here depend on the tables alone
-    a, b = RequestContext(tenant="t-a", speculation=False), RequestContext(tenant="t-b")
+    # A speculates as any caller does: its text fills its suffix documents and its matrix rows, and
+    # its steps teach its own budget's acceptance estimates, none of which plan B's rows
+    a, b = RequestContext(tenant="t-a"), RequestContext(tenant="t-b")
     fresh, after, engine = _attack(loaded, a, b, tree="auto")
     assert after.token_ids == fresh.token_ids
     assert after.stats.mat < 1.1 * fresh.stats.mat
     assert engine.tenant_matrix_stats()["tenants"] == 2  # A learned rows of its own
-    fresh_s, after_s, _ = _attack(loaded, RequestContext(speculation=False), RequestContext(), tree="auto")
+    fresh_s, after_s, _ = _attack(loaded, RequestContext(), RequestContext(), tree="auto")
     assert after_s.token_ids == fresh_s.token_ids
     assert after_s.stats.mat > 1.5 * fresh_s.stats.mat
+
+
+def _learned(budget) -> list:
+    """What a budget learned from acceptance: its estimates, calibrations and template order."""
+    out = [budget.steps, budget.order, budget.calibration.expected, budget.calibration.accepted,
+           budget.branch_calibration.expected, budget.branch_calibration.accepted]
+    for stats in (budget.acceptance, budget.branchless, budget.context_stats, budget.suffix_stats):
+        out += [stats.hits.tolist(), stats.trials.tolist()]
+    return out
+
+
+def test_one_tenants_acceptance_never_sizes_another_tenants_trees(loaded):
+    """The cost-aware budget's estimates are per tenant: steps of A's rows (alone, or in one batch
+    with another tenant's) teach A's budget and no other, so B's trees are planned from the priors."""
+    tok = loaded.tokenizer
+    question = encode_prompt(tok, [{"role": "user", "content": QUESTION}])
+    plain = _decode(_engine(loaded, tree="none"), question)
+    engine = _engine(loaded, tree="auto")
+    drafter = engine.speculator.drafter
+    prior = _learned(drafter.budget)
+    a, b = RequestContext(tenant="t-a"), RequestContext(tenant="t-b")
+    assert _decode(engine, question, a).token_ids == plain.token_ids
+    assert _learned(drafter.budget) == prior  # the shared tenant's budget: untouched
+    assert _learned(drafter.budget_of("t-b")) == prior  # B's, made now: the priors, nothing of A's
+    taught = _learned(drafter.budget_of("t-a"))
+    assert taught != prior
+    engine.add_request(question, SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True), "a", context=a)
+    engine.add_request(question, SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True), "s")
+    done = {}
+    while engine.has_unfinished():  # one batch of two tenants: each row learned by its own budget
+        done.update({o.request_id: o for o in engine.step() if o.finished})
+    assert done["a"].token_ids == plain.token_ids == done["s"].token_ids
+    assert _learned(drafter.budget_of("t-b")) == prior
+    assert _learned(drafter.budget) != prior and _learned(drafter.budget_of("t-a")) != taught
+    assert drafter.budget.steps == len(done["s"].stats.accepted_per_step)  # one plan per step of its row
 
 
 def test_learn_false_leaves_every_index_and_row_byte_identical(loaded):

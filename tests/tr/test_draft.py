@@ -6,7 +6,7 @@ import random
 
 import torch
 
-from tr_serve.tr.draft import build_draft
+from tr_serve.tr.draft import DraftPart, build_draft, merge_parts
 from tr_serve.tr.matrix import EMPTY
 from tr_serve.tr.tree import compile_tree
 from tr_serve.tr.verifier import accept_draft
@@ -163,3 +163,51 @@ def test_ragged_batches_equal_rows_built_one_by_one():
             assert torch.equal(batch.mask[r] if batch.mask.dim() == 3 else batch.mask, mask)
             assert batch.nodes_per_row()[r] == real - 1
         assert batch.max_depth == max(max(d for d, t in zip(row[2], row[0][: row[4]])) for row in rows)
+
+
+def test_a_batch_merged_from_parts_holds_each_parts_rows_and_accepts_as_they_do():
+    """Parts drafted apart (other subtrees and orders, as two tenants' budgets pick them) merge
+    into one batch whose rows are the parts' rows padded with dead nodes; accepting the merged
+    batch decides for each row what accepting its part decides, and of_rows gives it back."""
+    rng = random.Random(2)
+    gen = torch.Generator().manual_seed(2)
+    paths = [[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0], [0, 0, 1], [0, 0, 0, 0]]
+    for _ in range(100):
+        b, vocab = rng.randint(2, 6), 5
+        rows = list(range(b))
+        rng.shuffle(rows)
+        cut = rng.randint(1, b - 1)
+        parts = []
+        for scope, part_rows in (("t-a", sorted(rows[:cut])), (None, sorted(rows[cut:]))):
+            n = rng.randint(1, len(paths))
+            tree = compile_tree(paths[:n])
+            m = len(part_rows)
+            draft = torch.randint(vocab, (m, n + 1), generator=gen)
+            chains = [[rng.randrange(vocab) for _ in range(rng.randint(0, 5))] for _ in range(m)]
+            row_nodes = [rng.randint(0, n) for _ in range(m)]
+            batch = build_draft(draft, tree, torch.arange(1, n + 1), chains, [2] * m, row_nodes, [4] * m)
+            parts.append(DraftPart(scope, tuple(part_rows), batch))
+        merged = merge_parts(parts, b)
+        q = merged.tokens.shape[1]
+        assert q == max(p.batch.tokens.shape[1] for p in parts) and merged.parts == tuple(parts)
+        choice = torch.randint(vocab, (b, q), generator=gen)
+        acc = accept_draft(merged, choice)
+        for part in parts:
+            pb, w = part.batch, part.batch.tokens.shape[1]
+            own = accept_draft(pb, choice[list(part.rows), :w])
+            cut_back = acc.of_rows(part.rows, w)
+            assert torch.equal(cut_back.accepted_mask, own.accepted_mask)
+            for j, r in enumerate(part.rows):
+                assert merged.tokens[r, :w].tolist() == pb.tokens[j].tolist()
+                assert set(merged.tokens[r, w:].tolist()) <= {EMPTY}
+                assert merged.nodes_per_row()[r] == pb.nodes_per_row()[j]
+                assert torch.equal(merged.mask[r, :w, :w], pb.mask[j] if pb.mask.dim() == 3 else pb.mask)
+                assert merged.row_nodes[r] == pb.row_nodes[j] and merged.chain_columns[r] == pb.chain_columns[j]
+                assert acc.accepted_nodes[r].tolist() == own.accepted_nodes[j].tolist()
+                assert acc.emitted[r].tolist() == own.emitted[j].tolist()
+                assert cut_back.emitted[j].tolist() == own.emitted[j].tolist()
+        real = merged.real_nodes()
+        for r in range(b):  # padding: a dead child of the root, never accepted
+            for c in range(q):
+                if real is not None and not real[r, c]:
+                    assert merged.mask[r, c].nonzero().flatten().tolist() == sorted({0, c})

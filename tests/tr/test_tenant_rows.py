@@ -118,3 +118,15 @@ def test_the_drafters_walk_reads_each_rows_tenant_rows():
     assert list(successors(1, EMPTY, 3)) == shared.table[3].tolist()
     assert np.array_equal(overlays.overlays["t-a"].gather(np.array([3, 4]), np.array([0, 0]), np.array([-5, -5])),
                           np.array([1, -5]))
+
+
+def test_the_scopes_of_some_rows_renumber_their_groups():
+    matrix = AdjacencyMatrix(8, 2)
+    tenants = TenantMatrices(matrix, 4)
+    for t in ("t-a", "t-b"):
+        tenants.recycle(t, torch.tensor([1]), torch.tensor([[2, 3]]))
+    scopes = tenants.scopes(["t-a", None, "t-b", "t-a"])
+    sub = scopes.subset([2, 1, 3])  # rows of t-b, the shared tenant, t-a
+    assert sub.overlay_of_row == (tenants.overlays["t-b"], None, tenants.overlays["t-a"])
+    assert [rows.tolist() for _, rows in sub.groups] == [[2], [0]]
+    assert scopes.subset([1]) is None

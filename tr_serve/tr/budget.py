@@ -239,6 +239,10 @@ class TreeBudget:
         """Price steps by ``table`` from now on (:meth:`StepLatency.adopt`); plans kept for
         branchless steps were priced by the old one."""
         self.latency.adopt(table)
+        self.forget_plans()
+
+    def forget_plans(self) -> None:
+        """Drop the plans kept for branchless steps: the latency they were priced by changed."""
         self._branchless_plans.clear()
 
     def reorder(self, rates: list[float]) -> None:
@@ -266,10 +270,21 @@ class TreeBudget:
     def observe(self, batch: "DraftBatch", acceptance: "Acceptance", seconds: float | None) -> None:
         """Learn from one verification: the step's measured latency, which template nodes and
         branch tokens were right (the model's argmax choices: for sampled rows too, as a proxy)."""
+        self.learn(batch, acceptance, self.observe_latency(batch, seconds))
+
+    def observe_latency(self, batch: "DraftBatch", seconds: float | None) -> float:
+        """The step's measured latency into the latency model (every tenant's budget shares it);
+        returns the step's seconds: measured, else the model's."""
         rows, width = batch.tokens.shape
         if seconds is not None:
             self.latency.observe(rows, batch.num_inputs, seconds, width)
-        step = seconds if seconds is not None else self.latency(rows, batch.num_inputs, width)
+            return seconds
+        return self.latency(rows, batch.num_inputs, width)
+
+    def learn(self, batch: "DraftBatch", acceptance: "Acceptance", step: float) -> None:
+        """Learn from the rows this budget planned (``batch``: their draft, ``acceptance``: what
+        verification decided for them) in a step of ``step`` seconds: which template nodes and
+        branch tokens were right (the model's argmax choices: for sampled rows too, as a proxy)."""
         self.step_seconds = _lean_average(self.step_seconds, step) if self.step_seconds else step
         if self._expected is not None:
             # an accepted path runs through the row's template columns (1..row_nodes) first, then its branch's;

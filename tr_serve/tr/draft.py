@@ -26,7 +26,8 @@ class DraftBatch:
     parents  [b, q] column of each node's parent (root: -1, padding: 0)
     depths   [q] (one tree for every row) or [b, q]: position offset from the root
     mask     [q, q] or [b, q, q]: True where a node sees another (its ancestors and itself)
-    template_nodes  [n] index in the full template of columns 1..n (the widest row's)
+    template_nodes  [n] index in the full template of columns 1..n (the widest row's); empty in a
+                    batch merged from parts (merge_parts): each part's own batch holds its own
     row_nodes       per row, how many of those columns it verifies (a prefix: 1..row_nodes[r])
     chain_columns   per row, the column of each context-branch token (merged ones included)
     chain_next      per row, the first retrieved token the row does not verify (EMPTY: none): its
@@ -59,6 +60,9 @@ class DraftBatch:
     chain_next: tuple[int, ...] = ()  # per row (build_draft always sets it)
     chain_agreement: tuple[tuple[bool, ...], ...] = ()  # per row (build_draft always sets it)
     branch_cells: tuple[tuple[int, ...], ...] = ()  # per row (build_draft always sets it)
+    # the rows drafted under a named tenant's budget, or by several budgets (merge_parts), each part
+    # with its own draft; () when every row was drafted by the shared budget
+    parts: tuple["DraftPart", ...] = ()
 
     @property
     def num_nodes(self) -> int:
@@ -101,6 +105,60 @@ class DraftBatch:
         for i in range(1, real):
             out[par[i]].append(i)
         return out
+
+
+@dataclass(frozen=True)
+class DraftPart:
+    """Rows of one step drafted under one budget: ``scope`` names it (a tenant id, None: the shared
+    budget), ``rows`` are their indices in the step's batch, ``batch`` their own draft (its columns
+    are theirs in the step's batch, which only pads them on the right)."""
+
+    scope: str | None
+    rows: tuple[int, ...]
+    batch: DraftBatch
+
+
+def merge_parts(parts: Sequence[DraftPart], rows: int) -> DraftBatch:
+    """One step's batch of ``rows`` rows from drafts of disjoint row sets (together all of them),
+    each padded on the right with dead nodes to the widest part's width; its :attr:`DraftBatch.parts`
+    keep each part's own draft, whose template order and node counts are its budget's.
+
+    Example: parts of rows (0, 2) with 3 columns and (1,) with 5 -> a [3, 5] batch whose rows 0
+    and 2 hold the first part's rows and 2 dead nodes each, lengths [3, 5, 3] (when no part pads)."""
+    q = max(p.batch.tokens.shape[1] for p in parts)
+    tokens = np.full((rows, q), EMPTY, dtype=np.int64)
+    parents = np.zeros((rows, q), dtype=np.int64)
+    depths = np.ones((rows, q), dtype=np.int64)
+    mask = np.zeros((rows, q, q), dtype=bool)
+    lengths = np.zeros(rows, dtype=np.int64)
+    row_nodes, chain_columns, match_lengths = [0] * rows, [()] * rows, [0] * rows
+    chain_next, chain_agreement, branch_cells = [EMPTY] * rows, [()] * rows, [()] * rows
+    before = np.full(rows, EMPTY, dtype=np.int64) if any(p.batch.before_roots is not None for p in parts) else None
+    for part in parts:
+        pb, at = part.batch, np.asarray(part.rows, dtype=np.int64)
+        w = pb.tokens.shape[1]
+        tokens[at, :w] = pb.tokens.numpy()
+        parents[at, :w] = pb.parents.numpy()
+        depths[at, :w] = pb.row_depths().numpy()
+        mask[at, :w, :w] = pb.mask.numpy()  # [w, w] broadcast, or [len(at), w, w]
+        lengths[at] = pb.lengths.numpy() if pb.lengths is not None else w
+        if before is not None and pb.before_roots is not None:
+            before[at] = pb.before_roots.numpy()
+        for j, r in enumerate(part.rows):
+            row_nodes[r], chain_columns[r], match_lengths[r] = pb.row_nodes[j], pb.chain_columns[j], pb.match_lengths[j]
+            chain_next[r], chain_agreement[r] = pb.chain_next[j], pb.chain_agreement[j]
+            branch_cells[r] = pb.branch_cells[j] if pb.branch_cells else ()
+    col = np.arange(q)
+    pad = col[None, :] >= lengths[:, None]  # [rows, q]: a dead child of the root
+    mask[:, :, 0] |= pad
+    mask[:, col, col] |= pad
+    packed = torch.from_numpy(lengths) if bool((lengths < q).any()) else None
+    return DraftBatch(torch.from_numpy(tokens), torch.from_numpy(parents), torch.from_numpy(depths),
+                      torch.from_numpy(mask), torch.zeros(0, dtype=torch.long), tuple(row_nodes), tuple(chain_columns),
+                      tuple(match_lengths), max(p.batch.max_depth for p in parts), lengths=packed,
+                      before_roots=torch.from_numpy(before) if before is not None else None,
+                      chain_next=tuple(chain_next), chain_agreement=tuple(chain_agreement),
+                      branch_cells=tuple(branch_cells), parts=tuple(parts))
 
 
 def build_draft(template_tokens: torch.Tensor, tree: CompiledTree, template_nodes: torch.Tensor,

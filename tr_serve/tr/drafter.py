@@ -31,11 +31,11 @@ import torch
 from tr_serve.tr.acceptance_stats import AcceptanceStats, SuffixStats, observe_template
 from tr_serve.tr.budget import TreeBudget
 from tr_serve.tr.context_index import ContextIndex
-from tr_serve.tr.draft import DraftBatch, build_draft
+from tr_serve.tr.draft import DraftBatch, DraftPart, build_draft, merge_parts
 from tr_serve.tr.matrix import EMPTY, AdjacencyMatrix
 from tr_serve.tr.pair_table import PairTable
 from tr_serve.tr.proposer import propose
-from tr_serve.tr.step_latency import StepLatency
+from tr_serve.tr.step_latency import LatencyTable, StepLatency
 from tr_serve.tr.suffix_index import SuffixDraft, SuffixIndex
 from tr_serve.tr.tenant_rows import RowScopes, TenantRows
 from tr_serve.tr.tree import CompiledTree, compile_tree
@@ -106,14 +106,15 @@ class Drafter:
         self.pairs = pairs  # second-order rows keyed by (token before, token), or None (tr/pair_table.py)
         self.suffix = suffix  # the replica's cross-request suffix index, or None (tr/suffix_index.py)
         self.context = (PLD_CONTEXT if template is None else HYBRID_CONTEXT) if spec.context else None
-        self.budget: TreeBudget | None = None
+        self.budget: TreeBudget | None = None  # the shared tenant's (budget_of: a named tenant's)
+        self._tenant_budgets: dict[str, TreeBudget] = {}
         if spec.auto_budget:
-            self.budget = TreeBudget(template, latency, self.context.max_tokens if self.context else 0,
-                                     NODE_CANDIDATES, CHAIN_CAPS, EXPLORE_EVERY, REORDER_EVERY)
+            self.budget = self._new_budget(latency)
         # per-node acceptance estimates fed by observe(): the budget's; a caller may set one to
         # measure a fixed tree (scripts/measure_tree_order.py)
         self.acceptance: AcceptanceStats | None = self.budget.acceptance if self.budget else None
-        self._subtrees: dict[tuple[int, int], tuple[CompiledTree, torch.Tensor]] = {}
+        # (tenant, nodes, its budget's order version) -> the subtree and its template nodes
+        self._subtrees: dict[tuple[str | None, int, int], tuple[CompiledTree, torch.Tensor]] = {}
 
     @property
     def order(self) -> list[int]:
@@ -140,16 +141,71 @@ class Drafter:
         return ContextIndex(self.context.max_ngram, self.context.min_ngram)
 
     # ---- drafting ------------------------------------------------------------------------------
+    def budget_of(self, tenant: str | None) -> TreeBudget:
+        """The cost-aware budget that plans ``tenant``'s rows (None: the shared tenant's,
+        :attr:`budget`), made from the priors at a named tenant's first step. Why one per tenant:
+        its estimates, calibration and template order are learned from the acceptance of the rows
+        it plans, so one budget for all would let one tenant's text size another's trees
+        (docs/serving.md, "Tenants and privacy"). They share the step latency: the hardware's."""
+        if tenant is None:
+            return self.budget
+        budget = self._tenant_budgets.get(tenant)
+        if budget is None:
+            budget = self._tenant_budgets[tenant] = self._new_budget(self.budget.latency)
+            budget.fixed_nodes = self.budget.fixed_nodes
+        return budget
+
+    def _new_budget(self, latency: StepLatency) -> TreeBudget:
+        return TreeBudget(self.template, latency, self.context.max_tokens if self.context else 0,
+                          NODE_CANDIDATES, CHAIN_CAPS, EXPLORE_EVERY, REORDER_EVERY)
+
+    @property
+    def budgets(self) -> list[TreeBudget]:
+        """Every budget: the shared tenant's first, then the named tenants' (none without ``auto``)."""
+        return ([self.budget, *self._tenant_budgets.values()]) if self.budget is not None else []
+
+    def adopt_latency_table(self, table: LatencyTable) -> None:
+        """Price every budget's steps by ``table`` from now on (the latency they share)."""
+        self.budget.adopt_latency_table(table)
+        for budget in self._tenant_budgets.values():
+            budget.forget_plans()
+
     def draft(self, roots: torch.Tensor, contexts: list[ContextIndex] | None = None,
               room: list[int] | None = None, before: torch.Tensor | None = None,
               documents: list[int | None] | None = None, plain_rows: list[bool] | None = None,
-              scopes: RowScopes | None = None) -> DraftBatch:
+              scopes: RowScopes | None = None, tenants: Sequence[str | None] | None = None) -> DraftBatch:
         """roots [b]: each row's last accepted token (the last token of its context, if any).
         room[r]: how many tokens row r may still emit (a branch never drafts past it).
         before [b]: the token before each root (-1: none), for the pair table's rows.
         documents[r]: row r's document in the suffix index (its text so far), None: none.
         plain_rows[r]: True verifies the root alone for row r (the request turned speculation off).
-        scopes: the rows that draft through a tenant's overlay over the matrix (tr/tenant_rows.py)."""
+        scopes: the rows that draft through a tenant's overlay over the matrix (tr/tenant_rows.py).
+        tenants[r]: row r's named tenant (None, or no list: the shared tenant); under ``auto`` each
+        tenant's rows are planned by its own budget (:meth:`budget_of`) and drafted apart, then
+        merged into one batch (tr/draft.py merge_parts)."""
+        if self.budget is None or tenants is None or not any(t is not None for t in tenants):
+            return self._draft(self.budget, None, roots, contexts, room, before, documents, plain_rows, scopes)
+        groups: dict[str | None, list[int]] = {}
+        for r, t in enumerate(tenants):
+            groups.setdefault(t, []).append(r)
+        parts = []
+        for tenant, rows in groups.items():
+            if len(groups) == 1:
+                batch = self._draft(self.budget_of(tenant), tenant, roots, contexts, room, before, documents,
+                                    plain_rows, scopes)
+                return replace(batch, parts=(DraftPart(tenant, tuple(rows), batch),))
+            index = torch.tensor(rows, dtype=torch.long)
+            batch = self._draft(self.budget_of(tenant), tenant, roots[index], _pick(contexts, rows), _pick(room, rows),
+                                before[index] if before is not None else None, _pick(documents, rows),
+                                _pick(plain_rows, rows), scopes.subset(rows) if scopes is not None else None)
+            parts.append(DraftPart(tenant, tuple(rows), batch))
+        return merge_parts(parts, roots.shape[0])
+
+    def _draft(self, budget: TreeBudget | None, tenant: str | None, roots: torch.Tensor,
+               contexts: list[ContextIndex] | None, room: list[int] | None, before: torch.Tensor | None,
+               documents: list[int | None] | None, plain_rows: list[bool] | None,
+               scopes: RowScopes | None) -> DraftBatch:
+        """:meth:`draft` for rows that one ``budget`` plans (``tenant``'s; None: no budget, a fixed tree)."""
         pairs = self.pairs if before is not None else None
         b = roots.shape[0]
         chains: list[list[int]] = [[] for _ in range(b)]
@@ -159,11 +215,11 @@ class Drafter:
         if self.context is not None and contexts is not None:
             for r, ctx in enumerate(contexts):
                 matches[r], chains[r] = ctx.lookup(caps[r])
-        lean = self.budget is not None and self.budget.lean_next  # the template did not pay lately
+        lean = budget is not None and budget.lean_next  # the template did not pay lately
         n = self.template.num_nodes if self.template is not None else 0
         cap = self.context.max_tokens if self.context is not None else 0
         agreements, cells = None, None
-        if self.budget is not None and self.context is not None:
+        if budget is not None and self.context is not None:
             # each row's branch: its context's, the recycled tables' chain or the suffix index's,
             # whichever the budget's estimates value most (_choose_branches). The chain from the
             # tables holds the template's first candidates, but priced by the row's own evidence
@@ -178,22 +234,22 @@ class Drafter:
             if self.suffix is not None and documents is not None:
                 found = [self.suffix.lookup(doc, caps[r]) if doc is not None else None
                          for r, doc in enumerate(documents)]
-            agreements, cells = self._choose_branches(roots.tolist(), chains, matches, table, found, scopes)
+            agreements, cells = self._choose_branches(budget, roots.tolist(), chains, matches, table, found, scopes)
         if lean:
             t0 = time.perf_counter()
-            plans = self.budget.plan_branches(chains, matches, agreements, cells)
+            plans = budget.plan_branches(chains, matches, agreements, cells)
             full = roots[:, None]  # no template drafted: the root alone
-            self.budget.observe_host(False, time.perf_counter() - t0)
-        elif self.budget is not None:  # the plan first: the template is then drafted only as deep as it is used
+            budget.observe_host(False, time.perf_counter() - t0)
+        elif budget is not None:  # the plan first: the template is then drafted only as deep as it is used
             t0 = time.perf_counter()
             root_list = roots.tolist()
             before_list = before.tolist() if pairs is not None else [EMPTY] * b
             successors = self._successors([(r, [before_list[r], root_list[r], *c[:-1]]) for r, c in enumerate(chains) if c],
                                           scopes)
-            plans = self.budget.plan(root_list, successors, chains, matches, before_list, agreements, cells)
-            full = propose(self.matrix, roots, self.template, self.budget.draft_depth(max(p[0] for p in plans)),
+            plans = budget.plan(root_list, successors, chains, matches, before_list, agreements, cells)
+            full = propose(self.matrix, roots, self.template, budget.draft_depth(max(p[0] for p in plans)),
                            pairs, before, scopes)
-            self.budget.observe_host(True, time.perf_counter() - t0)
+            budget.observe_host(True, time.perf_counter() - t0)
         else:
             plans = [(n, cap)] * b
             full = (propose(self.matrix, roots, self.template, pairs=pairs, before=before, scopes=scopes)
@@ -202,17 +258,17 @@ class Drafter:
             plans = [(0, 0) if off else p for p, off in zip(plans, plain_rows)]
             chains = [[] if off else c for c, off in zip(chains, plain_rows)]
         row_nodes = [p[0] for p in plans]
-        tree, nodes = self._subtree(max(row_nodes))
+        tree, nodes = self._subtree(max(row_nodes), tenant)
         template_tokens = full[:, torch.cat([torch.zeros(1, dtype=torch.long), nodes])]
         batch = build_draft(template_tokens, tree, nodes, chains, matches, row_nodes, [p[1] for p in plans],
                             agreements, cells)
         return replace(batch, template_draft=full, before_roots=before if pairs is not None else None)
 
-    def _choose_branches(self, roots: list[int], chains: list[list[int]], matches: list[int],
+    def _choose_branches(self, budget: TreeBudget, roots: list[int], chains: list[list[int]], matches: list[int],
                          table: list[list[int]], found: list[SuffixDraft | None], scopes: RowScopes | None = None
                          ) -> tuple[list[list[bool]], list[list[int] | None] | None]:
-        """Per row, the branch worth most (:func:`_branch_value` of its path rates under the
-        budget's estimates; the first on a tie) of: its context's (``chains[r]``, ``matches[r]``),
+        """Per row, the branch worth most (:func:`_branch_value` of its path rates under
+        ``budget``'s estimates; the first on a tie) of: its context's (``chains[r]``, ``matches[r]``),
         the tables' chain ``table[r]`` (match length TABLE_CHAIN_MATCH), the suffix index's
         ``found[r]``; ``chains`` and ``matches`` are set to it in place. Returns every row's
         agreements (the matrix's, per token of its branch) and, when a row took a suffix-index
@@ -240,7 +296,7 @@ class Drafter:
                 own = next(agreed)
                 row_cells = ([SuffixStats.cell(draft.match, c, n, a) for c, n, a in zip(draft.counts, draft.support, own)]
                              if draft is not None else None)
-                value = _branch_value(self.budget.branch_rates(chain, match, own, row_cells)) if len(row) > 1 else 0.0
+                value = _branch_value(budget.branch_rates(chain, match, own, row_cells)) if len(row) > 1 else 0.0
                 if value > best_value:
                     best, best_value = (chain, match, own, row_cells), value
             if best is None:
@@ -296,13 +352,16 @@ class Drafter:
             return lambda row, before, token: found[(-1, before, token)]
         return lambda row, before, token: found[(group[row], before, token)]
 
-    def _subtree(self, n: int) -> tuple[CompiledTree, torch.Tensor]:
-        """The first ``n`` nodes of the current order as a tree, and their full-template indices."""
-        key = (n, self.budget.order_version if self.budget is not None else 0)
+    def _subtree(self, n: int, tenant: str | None = None) -> tuple[CompiledTree, torch.Tensor]:
+        """The first ``n`` nodes of ``tenant``'s budget's order (None: the shared one's) as a tree,
+        and their full-template indices."""
+        budget = self.budget_of(tenant) if self.budget is not None else None
+        version = budget.order_version if budget is not None else 0
+        key = (tenant, n, version)
         if key not in self._subtrees:
-            if self.budget is not None and key[1] > 0:
-                self._subtrees = {k: v for k, v in self._subtrees.items() if k[1] == key[1]}  # older orders
-            nodes = self.order[:n]
+            if version > 0:  # trees of this budget's older orders
+                self._subtrees = {k: v for k, v in self._subtrees.items() if k[0] != tenant or k[2] == version}
+            nodes = budget.order[:n] if budget is not None else list(range(1, n + 1))
             if self.template is not None and nodes == list(range(1, n + 1)) and n == self.template.num_nodes:
                 tree = self.template
             else:
@@ -314,8 +373,20 @@ class Drafter:
     # ---- learning from the verification -----------------------------------------------------
     def observe(self, batch: DraftBatch, acceptance: Acceptance, seconds: float | None) -> None:
         """Hand one verification to the budget (latency, node and branch acceptance), or to the
-        acceptance estimates a caller attached to a fixed tree."""
+        acceptance estimates a caller attached to a fixed tree; a batch drafted in parts hands each
+        part's rows to the budget that planned them, and the step's latency once."""
         if self.budget is not None:
-            self.budget.observe(batch, acceptance, seconds)
+            if not batch.parts:
+                self.budget.observe(batch, acceptance, seconds)
+                return
+            step = self.budget.observe_latency(batch, seconds)
+            for part in batch.parts:
+                own = acceptance if len(batch.parts) == 1 else acceptance.of_rows(part.rows, part.batch.tokens.shape[1])
+                self.budget_of(part.scope).learn(part.batch, own, step)
         elif self.acceptance is not None:
             observe_template(self.acceptance, batch, acceptance)
+
+
+def _pick(values: list | None, rows: list[int]) -> list | None:
+    """``values`` at ``rows`` (None stays None)."""
+    return [values[r] for r in rows] if values is not None else None

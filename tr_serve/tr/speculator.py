@@ -109,7 +109,7 @@ class Speculator:
     def adopt_latency_table(self, table: LatencyTable) -> None:
         """Price drafts by ``table`` from now on (the full table measured after start-up in place
         of the provisional one); what was learned online against the old table starts over."""
-        self.drafter.budget.adopt_latency_table(table)
+        self.drafter.adopt_latency_table(table)
 
     @staticmethod
     def kv_scratch(settings: SpeculationSettings) -> int:
@@ -233,9 +233,10 @@ class Speculator:
         before = torch.tensor([r.token_before_last for r in batch]) if self.pairs is not None else None
         documents = [self._sync_suffix(r) for r in batch] if self.suffix is not None else None
         plain = [not r.request_context.speculation for r in batch]
-        scopes = self.tenant_rows.scopes([None if r.request_context.shared else r.request_context.tenant
-                                          for r in batch]) if self.tenant_rows is not None else None
-        return self.drafter.draft(roots, contexts, room, before, documents, plain if any(plain) else None, scopes)
+        tenants = [None if r.request_context.shared else r.request_context.tenant for r in batch]
+        scopes = self.tenant_rows.scopes(tenants) if self.tenant_rows is not None else None
+        return self.drafter.draft(roots, contexts, room, before, documents, plain if any(plain) else None, scopes,
+                                  tenants)
 
     def accept(self, draft: DraftBatch, out: NextTokens, started: float) -> Acceptance:
         """Each row's longest path of the model's choices (sampled rows walk their draws as greedy

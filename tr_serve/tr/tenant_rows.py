@@ -142,6 +142,17 @@ class RowScopes:
     def overlay_of_row(self) -> tuple[TenantRows | None, ...]:
         return tuple(self.groups[g][0] if g >= 0 else None for g in self.group_of_row)
 
+    def subset(self, rows: list[int]) -> "RowScopes | None":
+        """The scopes of the batch made of ``rows`` (in that order); None when none of them reads an overlay."""
+        picked = [self.group_of_row[r] for r in rows]
+        kept = sorted({g for g in picked if g >= 0})
+        if not kept:
+            return None
+        renumber = {g: i for i, g in enumerate(kept)}
+        groups = tuple((self.groups[g][0], np.asarray([j for j, h in enumerate(picked) if h == g], dtype=np.int64))
+                       for g in kept)
+        return RowScopes(groups, tuple(renumber.get(g, -1) for g in picked))
+
     def gather(self, parent_tok: np.ndarray, ranks: np.ndarray, drafted: np.ndarray) -> np.ndarray:
         """``drafted`` [b, m] (from the shared rows, after ``parent_tok`` [b, m] at ``ranks`` [m])
         with each group's rows read through its overlay."""

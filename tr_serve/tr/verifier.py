@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Sequence
 
 import numpy as np
 import torch
@@ -27,6 +28,14 @@ class Acceptance:
     @property
     def num_accepted_drafts(self) -> list[int]:
         return [len(e) - 1 for e in self.emitted]
+
+    def of_rows(self, rows: Sequence[int], width: int) -> "Acceptance":
+        """The acceptance of ``rows`` alone, cut to their first ``width`` columns: what one part of a
+        merged batch (tr/draft.py merge_parts) decided, in the columns of its own draft."""
+        index = torch.tensor(list(rows), dtype=torch.long)
+        mask = self.accepted_mask[index, :width] if self.accepted_mask is not None else None
+        return Acceptance([self.accepted_nodes[r] for r in rows], [self.emitted[r] for r in rows],
+                          self.choices[index, :width], mask)
 
 
 def choices_grid(batch: DraftBatch, choices: torch.Tensor) -> np.ndarray:
