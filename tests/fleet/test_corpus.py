@@ -54,6 +54,17 @@ def test_the_oldest_documents_are_evicted_past_the_capacity():
         FleetCorpus(capacity=0)
 
 
+def test_one_tenants_documents_never_evict_another_tenants():
+    corpus = FleetCorpus(capacity=10)
+    corpus.add(push([(0, "tenant-b", [9] * 4)]), origin="A")
+    for d in range(1, 8):  # tenant-a pushes 21 tokens: its own oldest go, tenant-b's stays
+        corpus.add(push([(d, "tenant-a", [d] * 3)]), origin="A")
+        assert corpus.namespace_tokens("tenant-a") <= 10
+    assert [(c[2], c[3]) for c in contents(corpus)] == [(0, "tenant-b"), (5, "tenant-a"), (6, "tenant-a"),
+                                                        (7, "tenant-a")]
+    assert corpus.namespace_tokens("tenant-b") == 4 and corpus.num_tokens == 13 and corpus.evicted_documents == 4
+
+
 def test_restore_keeps_the_numbers_and_trims_to_a_smaller_capacity():
     corpus = FleetCorpus(capacity=100)
     for d in range(4):
@@ -62,7 +73,7 @@ def test_restore_keeps_the_numbers_and_trims_to_a_smaller_capacity():
     assert contents(again) == contents(corpus) and again.last_seq == 4
     again.add(push([(9, "ns0", [9])]), origin="B")
     assert again.last_seq == 5  # numbering goes on after the restored documents
-    small = FleetCorpus.restore(corpus.batch(), capacity=8)
+    small = FleetCorpus.restore(corpus.batch(), capacity=4)  # per namespace: each keeps its newest
     assert [c[0] for c in contents(small)] == [3, 4] and small.last_seq == 4
 
 

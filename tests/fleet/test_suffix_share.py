@@ -210,8 +210,11 @@ def test_the_actor_refuses_bad_documents_whole_and_keeps_its_corpus_on_disk(flee
     assert again.corpus_loaded_from == str(files[0]) and len(again.corpus) == 2
     assert any("refusing suffix corpus snapshot" in r.getMessage() for r in caplog.records)
     # the corpus setting bounds what a restarted actor holds
-    small = MatrixActor({**actor.spec, "suffix_index_tokens": docs.num_tokens - 1})
-    assert len(small.corpus) == 1 and small.corpus.num_tokens < docs.num_tokens
+    # a capacity (per tenant) below the longest document's length: that one is dropped, none over it kept
+    cap = int(max(docs.tokens_of(i).size for i in range(len(docs)))) - 1
+    small = MatrixActor({**actor.spec, "suffix_index_tokens": cap})
+    assert len(small.corpus) < len(docs) and small.corpus.num_tokens < docs.num_tokens
+    assert all(small.corpus.namespace_tokens(ns) <= cap for ns in docs.namespaces)
 
 
 # ---- lossless on the embedded model: a replica drafting from fleet-merged documents ---------------

@@ -138,6 +138,20 @@ def test_memory_is_bounded_by_evicting_the_oldest_documents():
     assert max(sizes) < 2 * at_limit and max(sizes[30:]) <= 1.01 * max(sizes[:30])
 
 
+def test_one_namespaces_text_never_evicts_another_namespaces():
+    index = SuffixIndex(capacity=10)
+    theirs = feed(index, [1, 2, 3, 4, 5, 6], namespace="tenant-b")
+    mine = feed(index, [1, 2, 3], namespace="tenant-b")
+    for _ in range(5):  # tenant-a's 20 tokens: its own oldest documents go, never tenant-b's
+        feed(index, [7, 8, 9, 10], namespace="tenant-a")
+        assert index.namespace_tokens("tenant-a") <= 10
+    assert theirs in index and index.namespace_tokens("tenant-b") == 9
+    assert index.lookup(mine, 3).tokens == [4, 5, 6]
+    assert index.num_tokens == 9 + 8 and index.evicted_documents == 3
+    feed(index, [1, 2], namespace="tenant-b")  # 11 of tenant-b: its oldest goes
+    assert theirs not in index and index.namespace_tokens("tenant-b") == 5 and index.namespace_tokens("tenant-a") == 8
+
+
 def test_evicted_text_never_drafts_and_an_evicted_running_document_stops_growing():
     index = SuffixIndex(capacity=10)
     running = feed(index, [1, 2, 3, 4, 5, 6])

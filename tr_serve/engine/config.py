@@ -43,7 +43,7 @@ class EngineConfig:
     # the cross-request suffix index (tr/suffix_index.py): other requests' prompts and outputs draft
     # a branch the budget prices beside the context's. None = ``auto`` uses it (Speculator.uses_suffix),
     # ``true``/``false`` force it (``auto`` only: the other trees have no budget to price it);
-    # suffix_index_tokens: the tokens it holds over all namespaces, the oldest requests' evicted past it
+    # suffix_index_tokens: the tokens it holds per tenant, that tenant's oldest requests evicted past it
     suffix_index: bool | None = None
     suffix_index_tokens: int = DEFAULT_CAPACITY
     # the rows each named tenant's own text writes over the shared matrix (tr/tenant_rows.py), the

@@ -39,8 +39,8 @@ class FleetSyncConfig(BaseModel):
     suffix_index: bool = Field(default=True, description="share the suffix index's finished documents too "
                                                          "(replicas whose engine has one)")
     suffix_index_tokens: int = Field(default=DEFAULT_CAPACITY, ge=1,
-                                     description="tokens of documents the actor holds over all tenants; "
-                                                 "the oldest are evicted past it")
+                                     description="tokens of documents the actor holds per tenant; "
+                                                 "that tenant's oldest are evicted past it")
 
     @property
     def namespace_name(self) -> str:

@@ -5,8 +5,8 @@ fleet actor so that a fresh replica drafts from what the whole fleet saw.
 * :class:`DocumentBatch` -- documents in columns: one token buffer and offsets, so that a push, the
   object-store broadcast and the disk file (fleet/corpus_file.py) each move a few numpy arrays, not
   a Python list per document. Anything received is checked (:meth:`DocumentBatch.check`).
-* :class:`FleetCorpus`   -- the actor's store: within ``capacity`` tokens over all namespaces, the
-  oldest documents evicted first, each numbered in arrival order (``seq``) so that a replica asks
+* :class:`FleetCorpus`   -- the actor's store: within ``capacity`` tokens per namespace, each
+  namespace's oldest documents evicted first (one tenant's text never evicts another's), each numbered in arrival order (``seq``) so that a replica asks
   for what came after the last one it indexed. A document is keyed by (origin replica, its id
   there): pushed twice (a push re-sent after a timeout, or after the actor restarted) it is held once.
 
@@ -110,7 +110,7 @@ class DocumentBatch:
 
 
 class FleetCorpus:
-    """Documents of the fleet within ``capacity`` tokens over all namespaces, oldest evicted first."""
+    """Documents of the fleet within ``capacity`` tokens per namespace, each namespace's oldest evicted first."""
 
     def __init__(self, capacity: int):
         if capacity < 1:
@@ -119,6 +119,7 @@ class FleetCorpus:
         # (origin, doc) -> (seq, namespace, tokens), in seq order: the first is the next evicted
         self._docs: "OrderedDict[tuple[str, int], tuple[int, str, np.ndarray]]" = OrderedDict()
         self.num_tokens = 0
+        self._namespace_tokens: dict[str, int] = {}
         self.last_seq = 0  # the number of the newest document ever added (never goes back)
         self.evicted_documents = 0
 
@@ -155,10 +156,22 @@ class FleetCorpus:
     def _put(self, key: tuple[str, int], seq: int, namespace: str, tokens: np.ndarray) -> None:
         self._docs[key] = (seq, namespace, np.array(tokens, dtype=np.int32))  # owned: never a view of a push
         self.num_tokens += tokens.size
-        while self.num_tokens > self.capacity:
-            _, (_, _, old) = self._docs.popitem(last=False)
+        self._namespace_tokens[namespace] = self._namespace_tokens.get(namespace, 0) + tokens.size
+        if self._namespace_tokens[namespace] <= self.capacity:
+            return
+        for old_key, (_, old_namespace, old) in list(self._docs.items()):  # oldest first
+            if old_namespace != namespace:
+                continue
+            del self._docs[old_key]
             self.num_tokens -= old.size
+            self._namespace_tokens[namespace] -= old.size
             self.evicted_documents += 1
+            if self._namespace_tokens[namespace] <= self.capacity:
+                break
+
+    def namespace_tokens(self, namespace: str) -> int:
+        """Tokens held of ``namespace``'s documents (at most ``capacity``)."""
+        return self._namespace_tokens.get(namespace, 0)
 
     def batch(self) -> DocumentBatch:
         """Every document held, oldest first, in the corpus's numbered form (a copy)."""

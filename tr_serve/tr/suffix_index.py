@@ -21,9 +21,9 @@ continuations forwards. Cost: a few integer ops, one dict write and one array ap
 token; a lookup at most ``max_occurrences x (max_match + max_tokens)`` token compares (a few tens of
 microseconds on the usual grams, whose chains are short). No rescans of the text.
 
-Bounded memory: at most ``capacity`` tokens are held over all namespaces; past it the oldest
-documents are evicted whole, running ones included (a document evicted while its request runs is
-no longer indexed). A chain ends at an evicted document's occurrence, and a head that pointed into
+Bounded memory: at most ``capacity`` tokens are held per namespace; past it the namespace's
+oldest documents are evicted whole, running ones included (a document evicted while its request
+runs is no longer indexed). Per namespace, so one tenant's text never evicts another's. A chain ends at an evicted document's occurrence, and a head that pointed into
 one is removed with it, so every map and array holds at most one entry per held token
 (:meth:`SuffixIndex.nbytes` reports the bytes: about 100 a token of distinct text, DEFAULT_CAPACITY).
 
@@ -101,7 +101,7 @@ class _Document:
 
 
 class SuffixIndex:
-    """Documents of many requests, per namespace, within ``capacity`` tokens."""
+    """Documents of many requests, per namespace, within ``capacity`` tokens per namespace."""
 
     def __init__(self, capacity: int = DEFAULT_CAPACITY, min_match: int = MIN_MATCH, max_match: int = MAX_MATCH,
                  max_occurrences: int = MAX_OCCURRENCES):
@@ -115,8 +115,10 @@ class SuffixIndex:
         self.min_match = min_match
         self.max_match = max_match
         self.max_occurrences = max_occurrences
-        self._docs: dict[int, _Document] = {}  # creation order: the first is the next evicted
+        self._docs: dict[int, _Document] = {}
         self._heads: dict[str, dict[int, int]] = {}  # namespace -> gram -> its newest occurrence
+        self._held: dict[str, dict[int, None]] = {}  # namespace -> its documents, oldest (the next evicted) first
+        self._namespace_tokens: dict[str, int] = {}
         self._next_id = 0
         self.num_tokens = 0
         self.evicted_documents = 0
@@ -132,6 +134,8 @@ class SuffixIndex:
         self._next_id += 1
         self._docs[doc] = _Document(namespace)
         self._heads.setdefault(namespace, {})
+        self._held.setdefault(namespace, {})[doc] = None
+        self._namespace_tokens.setdefault(namespace, 0)
         return doc
 
     def __contains__(self, doc: int) -> bool:
@@ -144,7 +148,7 @@ class SuffixIndex:
 
     def extend(self, doc: int, tokens: Iterable[int]) -> None:
         """Append ``tokens`` to ``doc`` and index them; a no-op for an evicted document. Evicts
-        the oldest documents while more than ``capacity`` tokens are held."""
+        the oldest documents of its namespace while it holds more than ``capacity`` tokens."""
         d = self._docs.get(doc)
         if d is None:
             return
@@ -172,12 +176,20 @@ class SuffixIndex:
                 prev.append(-1)
             key = ((key << _TOKEN_BITS) | toks[pos]) & mask
         self.num_tokens += end - start
-        while self.num_tokens > self.capacity:
-            self._evict_oldest()
+        namespace = d.namespace
+        self._namespace_tokens[namespace] += end - start
+        while self._namespace_tokens.get(namespace, 0) > self.capacity:
+            self._evict_oldest(namespace)
 
-    def _evict_oldest(self) -> None:
-        doc, d = next(iter(self._docs.items()))
-        del self._docs[doc]
+    def namespace_tokens(self, namespace: str = DEFAULT_NAMESPACE) -> int:
+        """Tokens held of ``namespace``'s text (at most ``capacity``)."""
+        return self._namespace_tokens.get(namespace, 0)
+
+    def _evict_oldest(self, namespace: str) -> None:
+        held = self._held[namespace]
+        doc = next(iter(held))
+        d = self._docs.pop(doc)
+        del held[doc]
         self._finished.pop(doc, None)
         key = self._key_of.pop(doc, None)
         if key is not None:
@@ -191,9 +203,10 @@ class SuffixIndex:
                 del heads[key]
             key = ((key << _TOKEN_BITS) | t) & mask
         self.num_tokens -= len(toks)
+        self._namespace_tokens[namespace] -= len(toks)
         self.evicted_documents += 1
-        if not heads and not any(x.namespace == d.namespace for x in self._docs.values()):
-            del self._heads[d.namespace]
+        if not held:
+            del self._heads[namespace], self._held[namespace], self._namespace_tokens[namespace]
 
     # ---- sharing with the fleet --------------------------------------------------------------------
     def finish(self, doc: int) -> None:
@@ -315,6 +328,7 @@ class SuffixIndex:
         """Bytes the index holds: the documents' token and chain arrays, the head maps, their keys
         and values (``sys.getsizeof``; shared small ints counted too)."""
         size = sys.getsizeof(self._docs) + sys.getsizeof(self._heads) + sys.getsizeof(self._finished)
+        size += sum(sys.getsizeof(held) for held in self._held.values())
         size += sys.getsizeof(self._keys) + sys.getsizeof(self._key_of)
         size += sum(sys.getsizeof(key) for key in self._keys)
         for d in self._docs.values():
