@@ -1,0 +1,233 @@
+"""The compact Llama-family decoder: one step over a bucket of rows as one function of static shapes.
+
+Per layer: residual add + RMSNorm, one QKV matmul, (q/k norms), the rotary embedding read from a
+precomputed table, K/V written through a slot mapping into the rows' caches, attention under a
+mask built in the graph from positions, one output matmul, residual add + RMSNorm, one gate/up
+matmul, SiLU-and-multiply, one down matmul. Nothing in :meth:`CompactDecoder.step` reads a host
+value or branches on data, so ``torch.compile(fullgraph=True)`` takes it whole and, on a GPU, a
+bucket's step can be captured as one CUDA graph.
+
+The cache is per row: ``[layers, rows, slots, kv_heads, head_dim]`` for K and for V; row r's
+token at slot s is ``cache[:, r, s]``. The step reads ``kv_len`` slots of each of its rows (a
+bucket, at least the longest prefix plus the step's width), writes its queries' K/V at ``slots``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from tr_serve.model.family import FamilyFeatures, features_of
+from tr_serve.model_shape import attention_shape
+
+
+@dataclass(frozen=True)
+class DecoderShape:
+    layers: int
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int
+    vocab: int
+    eps: float
+
+
+class CompactLayer(torch.nn.Module):
+    """One decoder layer in fused layouts: ``qkv`` [(heads + 2 kv_heads) * head_dim, hidden],
+    ``gate_up`` [2 intermediate, hidden]."""
+
+    def __init__(self, shape: DecoderShape, features: FamilyFeatures, window: int | None):
+        super().__init__()
+        s = shape
+        self.input_norm = torch.nn.Parameter(torch.ones(s.hidden))
+        self.qkv = torch.nn.Linear(s.hidden, (s.heads + 2 * s.kv_heads) * s.head_dim, bias=features.qkv_bias)
+        self.o = torch.nn.Linear(s.heads * s.head_dim, s.hidden, bias=features.o_bias)
+        self.q_norm = torch.nn.Parameter(torch.ones(s.head_dim)) if features.qk_norm else None
+        self.k_norm = torch.nn.Parameter(torch.ones(s.head_dim)) if features.qk_norm else None
+        self.post_norm = torch.nn.Parameter(torch.ones(s.hidden))
+        self.gate_up = torch.nn.Linear(s.hidden, 2 * s.intermediate, bias=features.mlp_bias)
+        self.down = torch.nn.Linear(s.intermediate, s.hidden, bias=features.mlp_bias)
+        self.window = window
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """transformers' Llama RMSNorm, op for op (float32 statistics, the weight in the input dtype)."""
+    dtype = x.dtype
+    h = x.to(torch.float32)
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(dtype)
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """The rotary embedding of ``x`` [..., head_dim] with ``cos``/``sin`` broadcast to it."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+def step_mask(positions: torch.Tensor, prefix: torch.Tensor, local: torch.Tensor, kv_len: int,
+              window: int | None, dtype: torch.dtype) -> torch.Tensor:
+    """[R, 1, Q, kv_len] additive mask: query (r, i) sees slot j of its row when j holds the row's
+    prefix (j < prefix[r]) or the step's column c = j - prefix[r] with local[r, i, c], and, under a
+    sliding window, when the key's position is less than ``window`` behind the query's.
+
+    positions [R, Q] int64, prefix [R] int64, local [R, Q, Q] bool.
+
+    Example: prefix [2], local [[1,0],[1,1]] (a chain of 2), kv_len 4 -> query 0 sees slots 0, 1, 2;
+    query 1 sees 0, 1, 2, 3."""
+    r, q = positions.shape
+    j = torch.arange(kv_len, device=positions.device)  # [kv_len]
+    col = j[None, :] - prefix[:, None]  # [R, kv_len]: the step's column a slot holds, < 0 in the prefix
+    in_step = (col >= 0) & (col < q)
+    tree = torch.gather(local, 2, col.clamp(0, q - 1)[:, None, :].expand(r, q, kv_len))  # [R, Q, kv_len]
+    visible = (col < 0)[:, None, :] | (tree & in_step[:, None, :])
+    if window is not None:
+        key_pos = torch.where(col < 0, j[None, :], torch.gather(positions, 1, col.clamp(0, q - 1)))  # [R, kv_len]
+        visible = visible & (positions[:, :, None] - key_pos[:, None, :] < window)
+    zero = torch.zeros((), dtype=dtype, device=positions.device)
+    return torch.where(visible, zero, torch.finfo(dtype).min)[:, None]
+
+
+class CompactDecoder(torch.nn.Module):
+    """A Llama-family model in fused layouts; :meth:`step` is the whole forward of one step."""
+
+    def __init__(self, shape: DecoderShape, features: FamilyFeatures, inv_freq: torch.Tensor,
+                 rope_scaling: float, max_positions: int):
+        super().__init__()
+        self.shape, self.features = shape, features
+        self.embed = torch.nn.Embedding(shape.vocab, shape.hidden)
+        self.layers = torch.nn.ModuleList(CompactLayer(shape, features, w) for w in features.windows)
+        self.norm = torch.nn.Parameter(torch.ones(shape.hidden))
+        self.lm_head = None if features.tied else torch.nn.Linear(shape.hidden, shape.vocab, bias=False)
+        # as transformers computes it per forward: float32 positions times inv_freq, cos/sin scaled
+        freqs = torch.arange(max_positions, dtype=torch.float32)[:, None] * inv_freq.float()[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        self.register_buffer("cos", emb.cos() * rope_scaling, persistent=False)  # [max_positions, head_dim]
+        self.register_buffer("sin", emb.sin() * rope_scaling, persistent=False)
+
+    @property
+    def head_weight(self) -> torch.Tensor:
+        return self.embed.weight if self.lm_head is None else self.lm_head.weight
+
+    def new_cache(self, rows: int, slots: int, dtype: torch.dtype | None = None,
+                  device: torch.device | str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V caches [layers, rows, slots, kv_heads, head_dim] for this decoder."""
+        s = self.shape
+        dtype = dtype or self.embed.weight.dtype
+        device = device or self.embed.weight.device
+        size = (s.layers, rows, slots, s.kv_heads, s.head_dim)
+        return torch.zeros(size, dtype=dtype, device=device), torch.zeros(size, dtype=dtype, device=device)
+
+    def step(self, tokens: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor,
+             prefix: torch.Tensor, local: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             kv_len: int) -> torch.Tensor:
+        """Hidden states [R, Q, hidden] after the final norm.
+
+        tokens [R, Q] int64 (>= 0; padding runs as any id), positions [R, Q] int64 (rotary),
+        rows [R] int64 (cache rows), slots [R, Q] int64 (where each query's K/V is written in its
+        row), prefix [R] int64 (the row's committed slots, before the step's), local [R, Q, Q]
+        bool (query i sees the step's column c), k_cache / v_cache as :meth:`new_cache` (written
+        in place); kv_len: the slots of each row attention reads (a bucket: every prefix plus Q)."""
+        s = self.shape
+        r, q = tokens.shape
+        h = self.embed(tokens)  # [R, Q, hidden]
+        cos = self.cos[positions][:, :, None].to(h.dtype)  # [R, Q, 1, head_dim]
+        sin = self.sin[positions][:, :, None].to(h.dtype)
+        at_rows = rows[:, None].expand(r, q)
+        masks: dict[int | None, torch.Tensor] = {}
+        residual = h
+        x = rms_norm(h, self.layers[0].input_norm, s.eps)
+        n_q, n_kv = s.heads * s.head_dim, s.kv_heads * s.head_dim
+        for i, layer in enumerate(self.layers):
+            qkv = layer.qkv(x)
+            xq = qkv[..., :n_q].view(r, q, s.heads, s.head_dim)
+            xk = qkv[..., n_q : n_q + n_kv].view(r, q, s.kv_heads, s.head_dim)
+            xv = qkv[..., n_q + n_kv :].view(r, q, s.kv_heads, s.head_dim)
+            if layer.q_norm is not None:
+                xq, xk = rms_norm(xq, layer.q_norm, s.eps), rms_norm(xk, layer.k_norm, s.eps)
+            xq, xk = rotate(xq, cos, sin), rotate(xk, cos, sin)
+            k_cache[i].index_put_((at_rows, slots), xk)
+            v_cache[i].index_put_((at_rows, slots), xv)
+            keys = k_cache[i][rows, :kv_len].transpose(1, 2)  # [R, kv_heads, kv_len, head_dim]
+            values = v_cache[i][rows, :kv_len].transpose(1, 2)
+            if layer.window not in masks:
+                masks[layer.window] = step_mask(positions, prefix, local, kv_len, layer.window, h.dtype)
+            out = F.scaled_dot_product_attention(xq.transpose(1, 2), keys, values, attn_mask=masks[layer.window],
+                                                 scale=s.head_dim ** -0.5, enable_gqa=s.heads != s.kv_heads)
+            h = layer.o(out.transpose(1, 2).reshape(r, q, n_q))
+            residual = residual + h
+            x = rms_norm(residual, layer.post_norm, s.eps)
+            gate, up = layer.gate_up(x).chunk(2, dim=-1)
+            h = layer.down(F.silu(gate) * up)
+            residual = residual + h
+            nxt = self.layers[i + 1].input_norm if i + 1 < len(self.layers) else self.norm
+            x = rms_norm(residual, nxt, s.eps)
+        return x
+
+    def step_ids(self, tokens: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor,
+                 prefix: torch.Tensor, local: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 kv_len: int, top_k: int) -> torch.Tensor:
+        """:meth:`step` reduced to ids on the device: [R, Q, 1 + top_k] int32, each query's argmax
+        then its ``top_k`` most likely next tokens (best first): what the step copies back, once."""
+        hidden = self.step(tokens, positions, rows, slots, prefix, local, k_cache, v_cache, kv_len)
+        logits = F.linear(hidden, self.head_weight).float()
+        best = logits.argmax(-1, keepdim=True)
+        if top_k == 0:
+            return best.to(torch.int32)
+        return torch.cat((best, logits.topk(top_k, dim=-1).indices), dim=-1).to(torch.int32)
+
+
+def from_hf(model: torch.nn.Module, max_positions: int) -> CompactDecoder:
+    """A :class:`CompactDecoder` with the weights of ``model`` (a transformers ``*ForCausalLM`` of
+    a supported family) copied into fused layouts, on its device and in its dtype; a ValueError
+    for anything the decoder would not compute as transformers does."""
+    cfg = model.config
+    features = features_of(cfg)
+    heads, kv_heads, head_dim = attention_shape(cfg)
+    shape = DecoderShape(cfg.num_hidden_layers, cfg.hidden_size, heads, kv_heads, head_dim, cfg.intermediate_size,
+                         cfg.vocab_size, float(cfg.rms_norm_eps))
+    inner = model.model
+    rotary = inner.rotary_emb
+    weight = inner.embed_tokens.weight
+    dec = CompactDecoder(shape, features, rotary.inv_freq.detach().cpu(), float(rotary.attention_scaling), max_positions)
+    dec.to(device=weight.device, dtype=weight.dtype)
+    dec.cos, dec.sin = dec.cos.float(), dec.sin.float()  # the table stays float32, as transformers computes it
+    with torch.no_grad():
+        dec.embed.weight.copy_(weight)
+        if dec.lm_head is not None:
+            dec.lm_head.weight.copy_(model.lm_head.weight)
+        elif model.lm_head.weight.data_ptr() != weight.data_ptr() and not torch.equal(model.lm_head.weight, weight):
+            raise ValueError(f"{features.model_type}: tie_word_embeddings is set but the LM head differs from the embedding")
+        dec.norm.copy_(inner.norm.weight)
+        for mine, theirs in zip(dec.layers, inner.layers):
+            att, mlp = theirs.self_attn, theirs.mlp
+            _check_bias(att.q_proj, features.qkv_bias, "q_proj")
+            _check_bias(att.o_proj, features.o_bias, "o_proj")
+            _check_bias(mlp.gate_proj, features.mlp_bias, "gate_proj")
+            if hasattr(att, "q_norm") != features.qk_norm:
+                raise ValueError(f"{features.model_type}: q/k norms {'missing' if features.qk_norm else 'not declared'}")
+            mine.input_norm.copy_(theirs.input_layernorm.weight)
+            mine.post_norm.copy_(theirs.post_attention_layernorm.weight)
+            mine.qkv.weight.copy_(torch.cat([att.q_proj.weight, att.k_proj.weight, att.v_proj.weight]))
+            if features.qkv_bias:
+                mine.qkv.bias.copy_(torch.cat([att.q_proj.bias, att.k_proj.bias, att.v_proj.bias]))
+            mine.o.weight.copy_(att.o_proj.weight)
+            if features.o_bias:
+                mine.o.bias.copy_(att.o_proj.bias)
+            if features.qk_norm:
+                mine.q_norm.copy_(att.q_norm.weight)
+                mine.k_norm.copy_(att.k_norm.weight)
+            mine.gate_up.weight.copy_(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]))
+            mine.down.weight.copy_(mlp.down_proj.weight)
+            if features.mlp_bias:
+                mine.gate_up.bias.copy_(torch.cat([mlp.gate_proj.bias, mlp.up_proj.bias]))
+                mine.down.bias.copy_(mlp.down_proj.bias)
+    return dec.eval().requires_grad_(False)
+
+
+def _check_bias(linear: torch.nn.Linear, declared: bool, name: str) -> None:
+    if (linear.bias is not None) != declared:
+        raise ValueError(f"{name}: a bias {'declared but absent' if declared else 'present but not declared'}")
