@@ -52,8 +52,8 @@ def test_prefill_and_a_tree_step_match_transformers(name):
     q = len(prompt)
     causal = torch.ones(q, q, dtype=torch.bool).tril()[None]
     row = torch.tensor([2])  # any cache row
-    hidden = dec.step(torch.tensor([prompt]), torch.arange(q)[None], row, torch.arange(q)[None], torch.tensor([0]),
-                      causal, k, v, kv_len=32)
+    hidden = dec.step(torch.tensor([prompt]), torch.arange(q)[None], row, 2 * 64 + torch.arange(q)[None],
+                      torch.tensor([0]), causal, k, v, kv_len=32)
     ref = _reference(model, prompt)
     assert torch.allclose(_logits(dec, hidden)[0], ref, atol=1e-4, rtol=1e-4)
     # a tree under the last prompt token: root, two children, a grandchild under the first child
@@ -62,7 +62,7 @@ def test_prefill_and_a_tree_step_match_transformers(name):
     depths = torch.tensor([[0, 1, 1, 2]])
     local = torch.tensor([[[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 1, 0, 1]]], dtype=torch.bool)
     prefix = q - 1  # the root's own K/V is written again by the step
-    hidden = dec.step(torch.tensor([tree]), prefix + depths, row, prefix + torch.arange(4)[None],
+    hidden = dec.step(torch.tensor([tree]), prefix + depths, row, 2 * 64 + prefix + torch.arange(4)[None],
                       torch.tensor([prefix]), local, k, v, kv_len=32)
     got = _logits(dec, hidden)[0]
     for node in range(4):
@@ -83,7 +83,8 @@ def test_rows_of_one_step_see_only_their_own_slots():
     local = torch.stack([causal, causal])
     tokens = torch.tensor([a, b + [0, 0]])  # b padded to the step's width
     hidden = dec.step(tokens, torch.arange(5)[None].expand(2, 5), torch.tensor([3, 1]),
-                      torch.arange(5)[None].expand(2, 5), torch.tensor([0, 0]), local, k, v, kv_len=16)
+                      torch.tensor([[3 * 32], [1 * 32]]) + torch.arange(5)[None], torch.tensor([0, 0]), local, k, v,
+                      kv_len=16)
     logits = _logits(dec, hidden)
     assert torch.allclose(logits[0], _reference(model, a), atol=1e-4)
     assert torch.allclose(logits[1, :3], _reference(model, b), atol=1e-4)
@@ -125,8 +126,8 @@ def test_the_compiled_step_is_one_graph_per_bucket_and_equals_eager():
         tokens = torch.randint(0, 300, (2, 4), generator=g)
         prefix = torch.randint(0, 20, (2,), generator=g)
         depths = torch.tensor([0, 1, 1, 2])[None]
-        args = (tokens, prefix[:, None] + depths, torch.tensor([0, 2]), prefix[:, None] + torch.arange(4)[None],
-                prefix, local)
+        args = (tokens, prefix[:, None] + depths, torch.tensor([0, 2]),
+                torch.tensor([[0], [2 * 32]]) + prefix[:, None] + torch.arange(4)[None], prefix, local)
         k1, v1 = dec.new_cache(rows=3, slots=32)
         k1.normal_(generator=g)
         v1.normal_(generator=g)

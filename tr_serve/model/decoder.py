@@ -8,8 +8,9 @@ value or branches on data, so ``torch.compile(fullgraph=True)`` takes it whole a
 bucket's step can be captured as one CUDA graph.
 
 The cache is per row: ``[layers, rows, slots, kv_heads, head_dim]`` for K and for V; row r's
-token at slot s is ``cache[:, r, s]``. The step reads ``kv_len`` slots of each of its rows (a
-bucket, at least the longest prefix plus the step's width), writes its queries' K/V at ``slots``.
+token at slot s is ``cache[:, r, s]``, flat slot ``r * slots + s`` in the slot mapping. The step
+writes each query's K/V at its flat slot and reads ``kv_len`` slots of each of its rows (a
+bucket, at least the longest prefix plus the step's width).
 """
 
 from __future__ import annotations
@@ -121,14 +122,14 @@ class CompactDecoder(torch.nn.Module):
         size = (s.layers, rows, slots, s.kv_heads, s.head_dim)
         return torch.zeros(size, dtype=dtype, device=device), torch.zeros(size, dtype=dtype, device=device)
 
-    def step(self, tokens: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor,
+    def step(self, tokens: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor, slot_mapping: torch.Tensor,
              prefix: torch.Tensor, local: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
              kv_len: int) -> torch.Tensor:
         """Hidden states [R, Q, hidden] after the final norm.
 
         tokens [R, Q] int64 (>= 0; padding runs as any id), positions [R, Q] int64 (rotary),
-        rows [R] int64 (cache rows), slots [R, Q] int64 (where each query's K/V is written in its
-        row), prefix [R] int64 (the row's committed slots, before the step's), local [R, Q, Q]
+        rows [R] int64 (the cache rows attention reads), slot_mapping [R, Q] int64 (the flat slot
+        each query's K/V is written at: ``row * slots + slot``), prefix [R] int64 (the row's committed slots, before the step's), local [R, Q, Q]
         bool (query i sees the step's column c), k_cache / v_cache as :meth:`new_cache` (written
         in place); kv_len: the slots of each row attention reads (a bucket: every prefix plus Q)."""
         s = self.shape
@@ -136,7 +137,6 @@ class CompactDecoder(torch.nn.Module):
         h = self.embed(tokens)  # [R, Q, hidden]
         cos = self.cos[positions][:, :, None].to(h.dtype)  # [R, Q, 1, head_dim]
         sin = self.sin[positions][:, :, None].to(h.dtype)
-        at_rows = rows[:, None].expand(r, q)
         masks: dict[int | None, torch.Tensor] = {}
         residual = h
         x = rms_norm(h, self.layers[0].input_norm, s.eps)
@@ -149,8 +149,8 @@ class CompactDecoder(torch.nn.Module):
             if layer.q_norm is not None:
                 xq, xk = rms_norm(xq, layer.q_norm, s.eps), rms_norm(xk, layer.k_norm, s.eps)
             xq, xk = rotate(xq, cos, sin), rotate(xk, cos, sin)
-            k_cache[i].index_put_((at_rows, slots), xk)
-            v_cache[i].index_put_((at_rows, slots), xv)
+            k_cache[i].flatten(0, 1).index_copy_(0, slot_mapping.reshape(-1), xk.reshape(r * q, s.kv_heads, s.head_dim))
+            v_cache[i].flatten(0, 1).index_copy_(0, slot_mapping.reshape(-1), xv.reshape(r * q, s.kv_heads, s.head_dim))
             keys = k_cache[i][rows, :kv_len].transpose(1, 2)  # [R, kv_heads, kv_len, head_dim]
             values = v_cache[i][rows, :kv_len].transpose(1, 2)
             if layer.window not in masks:
@@ -167,12 +167,12 @@ class CompactDecoder(torch.nn.Module):
             x = rms_norm(residual, nxt, s.eps)
         return x
 
-    def step_ids(self, tokens: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor,
+    def step_ids(self, tokens: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor, slot_mapping: torch.Tensor,
                  prefix: torch.Tensor, local: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  kv_len: int, top_k: int) -> torch.Tensor:
         """:meth:`step` reduced to ids on the device: [R, Q, 1 + top_k] int32, each query's argmax
         then its ``top_k`` most likely next tokens (best first): what the step copies back, once."""
-        hidden = self.step(tokens, positions, rows, slots, prefix, local, k_cache, v_cache, kv_len)
+        hidden = self.step(tokens, positions, rows, slot_mapping, prefix, local, k_cache, v_cache, kv_len)
         logits = F.linear(hidden, self.head_weight).float()
         best = logits.argmax(-1, keepdim=True)
         if top_k == 0:
