@@ -14,6 +14,7 @@ from tr_serve.tr.tree_spec import DEFAULT_TREE_SETTING, is_plain, parse_tree_spe
 # the model tr_serve serves when none is named: the embedded SmolLM2-135M-Instruct (model_loader.py)
 DEFAULT_MODEL = EMBEDDED_ALIAS
 CPU_KERNEL_MODES = ("auto", "torch")  # measured kernel per token count (runner/cpu_kernels.py), or F.linear
+DECODERS = ("auto", "compact", "transformers")
 DEVICE = re.compile(r"^(cpu|mps|cuda(:\d+)?)$")
 
 
@@ -61,6 +62,12 @@ class EngineConfig:
     # "auto": on CPU in float32, the fastest measured linear kernel per token count (runner/cpu_kernels.py)
     # and the native tree attention (runner/tree_attention.py); "torch": torch's own F.linear and attention
     cpu_kernels: str = "auto"
+    # which model code runs the step (runner/factory.py): "compact", tr_serve's own decoder over bucketed
+    # static shapes (tr_serve/model/decoder.py, runner/decoder_runner.py); "transformers", the loaded
+    # model's layers (with the native CPU kernels where cpu_kernels allows); "auto": compact on CUDA,
+    # transformers elsewhere (on a CPU the native kernels are faster)
+    decoder: str = "auto"
+    compile: bool = False  # the compact decoder's steps through torch.compile(fullgraph=True), one graph per bucket
 
     def __post_init__(self) -> None:
         if self.k < 1:
@@ -71,6 +78,10 @@ class EngineConfig:
             raise ValueError(f"budget must be 'fixed' or 'auto', got {self.budget!r}")
         if self.cpu_kernels not in CPU_KERNEL_MODES:
             raise ValueError(f"cpu_kernels must be 'auto' or 'torch', got {self.cpu_kernels!r}")
+        if self.decoder not in DECODERS:
+            raise ValueError(f"decoder must be one of {', '.join(DECODERS)}, got {self.decoder!r}")
+        if self.compile and self.decoder == "transformers":
+            raise ValueError("compile applies to the compact decoder: set decoder 'compact' or 'auto'")
         if self.pair_table_slots < 1 or self.pair_table_slots & (self.pair_table_slots - 1):
             raise ValueError(f"pair_table_slots must be a power of two, got {self.pair_table_slots}")
         if self.suffix_index_tokens < 1:

@@ -67,7 +67,7 @@ class Engine:
         max_len = config.max_model_len + Speculator.kv_scratch(config)
         if runner is None:
             self.runner = local_runner(loaded.model, max_len, config.max_num_seqs, config.kv_cache_memory_gb,
-                                       config.cpu_kernels)
+                                       config.cpu_kernels, decoder=config.decoder, compile=config.compile)
         else:
             self.runner = runner(max_len)
         self.num_rows = self.runner.num_rows

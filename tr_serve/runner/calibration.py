@@ -14,6 +14,7 @@ import torch
 from tr_serve.disk_cache import load_json, load_or_make, save_json
 from tr_serve.model_loader import cache_root
 from tr_serve.runner import layer_driver, layer_ops, panel_gemm, tree_attention
+from tr_serve.runner.decoder_runner import DecoderRunner
 from tr_serve.runner.step_io import StepRunner, StepSampling
 from tr_serve.tr.step_latency import LatencyTable
 
@@ -36,6 +37,8 @@ def device_name(device: torch.device) -> str:
 
 def calibration_key(model_id: str, runner: StepRunner, recycle_k: int = 0) -> str:
     attention = "tree-attention" if getattr(runner, "tree_attention", False) else "sdpa"  # the kernels timed
+    if isinstance(runner, DecoderRunner):
+        attention = runner.name
     if getattr(runner, "layer_ops", False):
         attention += "+layer-ops"
     kernels = "-".join(k.digest for k in (panel_gemm.KERNEL, tree_attention.KERNEL, layer_ops.KERNEL,

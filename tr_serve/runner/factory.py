@@ -7,21 +7,32 @@ import contextlib
 
 import torch
 
+from tr_serve.model.decoder import from_hf
+from tr_serve.runner.decoder_runner import DecoderRunner
 from tr_serve.runner.kernel_autotune import select_plan
 from tr_serve.runner.model_runner import ModelRunner, rows_within_budget
 from tr_serve.runner.sync_audit import AUDIT_DEVICE, SyncAudit
 
 
 def local_runner(model: torch.nn.Module, max_len: int, max_rows: int, kv_cache_memory_gb: float | None = None,
-                 cpu_kernels: str = "auto", *, emits: bool = True, audit: SyncAudit | None = None) -> ModelRunner:
+                 cpu_kernels: str = "auto", *, emits: bool = True, audit: SyncAudit | None = None,
+                 decoder: str = "transformers", compile: bool = False) -> ModelRunner | DecoderRunner:
     """A ``ModelRunner`` over ``model`` with a KV cache of rows of ``max_len`` tokens: ``max_rows``
     of them, fewer if ``kv_cache_memory_gb`` says so (per device: a rank's budget is its shard's).
     ``cpu_kernels`` "auto": the measured linear kernels and the native tree attention where the
     model is fp32 on a CPU; "torch": torch's own. ``emits``: False on a tensor-parallel rank whose
     results nobody reads. ``audit``: the runner lives on the sync audit's stand-in accelerator and
-    its cache is made there (runner/sync_audit.py)."""
+    its cache is made there (runner/sync_audit.py). ``decoder``: "compact" runs tr_serve's own
+    decoder (runner/decoder_runner.py, ``compile`` its graphs), "transformers" the model's layers,
+    "auto" compact on CUDA and transformers elsewhere."""
     dtype = next(model.parameters()).dtype
     num_rows = rows_within_budget(model.config, max_len, dtype, max_rows, kv_cache_memory_gb)
+    device = next(model.parameters()).device
+    if decoder == "compact" or (decoder == "auto" and device.type == "cuda"):
+        with audit if audit is not None else contextlib.nullcontext():
+            compact = from_hf(model, max_positions=max_len)
+            return DecoderRunner(compact, num_rows, max_len, compile=compile,
+                                 device=AUDIT_DEVICE if audit is not None else None, emits=emits)
     plan = select_plan(model) if cpu_kernels == "auto" else None  # None unless fp32 on CPU
     with audit if audit is not None else contextlib.nullcontext():
         return ModelRunner(model, num_rows, max_len, kernel_plan=plan, tree_attention_enabled=cpu_kernels == "auto",
