@@ -11,6 +11,7 @@ from tr_serve.engine.config import EngineConfig
 from tr_serve.engine.engine import Engine
 from tr_serve.engine.prompt import encode_prompt
 from tr_serve.runner.decoder_runner import DecoderRunner, bucket
+from tr_serve.runner.sync_audit import AUDIT_DEVICE
 from tr_serve.sampling_params import SamplingParams
 
 QUESTIONS = ["Explain what a hash table is and how collisions are handled.", "What is TCP?",
@@ -76,3 +77,43 @@ def test_the_compiled_step_is_one_graph_per_bucket_with_no_recompile_after_warm_
     assert serve() == plain  # a warm matrix: other acceptances, perhaps a shape not met before
     assert counters["stats"]["unique_graphs"] == len(runner._graphs) >= met  # a graph only for a new shape
     assert sum(counters["graph_break"].values()) == 0
+
+
+class _Transfers(torch.overrides.TorchFunctionMode):
+    """Counts copies to the stand-in device (``.to(cpu:0)``) and back (``.cpu()``) inside it."""
+
+    def __init__(self):
+        super().__init__()
+        self.to_device = self.to_host = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.Tensor.to and any(a == AUDIT_DEVICE for a in (*args[1:], kwargs.get("device"))):
+            self.to_device += 1
+        if func is torch.Tensor.cpu:
+            self.to_host += 1
+        return func(*args, **kwargs)
+
+
+def test_a_step_copies_its_inputs_in_once_and_its_ids_out_once(tokenizer):
+    from tr_serve.model.decoder import from_hf
+    from tr_serve.runner.step_io import StepSampling
+
+    loaded = tiny_loaded(tokenizer)
+    runner = DecoderRunner(from_hf(loaded.model, max_positions=64), num_rows=2, max_len=64, device=AUDIT_DEVICE)
+    sampling = StepSampling((None, None), recycle_k=4)
+    tree = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 1, 0, 1]], dtype=torch.bool)
+    rows = torch.tensor([0, 1])
+    counts = []
+    for step in range(3):
+        with _Transfers() as seen:
+            if step == 0:
+                out = runner.prefill_step(rows, [[5, 6, 7], [8, 9]], sampling).last
+            else:
+                out = runner.verify_step(rows, torch.tensor([[3, 4, 5, 6], [7, 8, 9, 10]]),
+                                         torch.tensor([0, 1, 1, 2]), tree, None, sampling)
+        counts.append((seen.to_device, seen.to_host))
+        runner.compact(rows, [torch.tensor([0, 2]), torch.tensor([0, 1, 3])]) if step else None
+        assert out.top_k.shape[1] == 4
+    assert counts == [(1, 1)] * 3
+    assert runner.steps == 3 and any(shape.moves for shape in runner._graphs)  # the last step carried moves
