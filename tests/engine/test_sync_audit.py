@@ -13,6 +13,8 @@ import torch
 from tiny_model import tiny_loaded
 from tr_serve.engine.config import EngineConfig
 from tr_serve.engine.engine import Engine
+from tr_serve.model.decoder import from_hf
+from tr_serve.runner.decoder_runner import DecoderRunner
 from tr_serve.runner.model_runner import ModelRunner
 from tr_serve.runner.sync_audit import AUDIT_DEVICE, DeviceTensor, SyncAudit
 from tr_serve.sampling_params import SamplingParams
@@ -41,13 +43,16 @@ def test_the_audit_counts_what_waits_for_the_device_and_nothing_on_the_host():
         assert audit.count == 6
 
 
+@pytest.mark.parametrize("decoder", ["transformers", "compact"])
 @pytest.mark.parametrize("tree", ["none", "2.2.2", "2.2.2+ctx", "auto"])
 @pytest.mark.parametrize("rows", [1, ROWS])
-def test_one_sync_per_engine_step(tokenizer, tmp_path, monkeypatch, tree, rows):
+def test_one_sync_per_engine_step(tokenizer, tmp_path, monkeypatch, tree, rows, decoder):
     monkeypatch.setenv("TR_SERVE_CACHE", str(tmp_path))
     loaded = tiny_loaded(tokenizer, seed=2)
 
     def runner(max_len: int):
+        if decoder == "compact":  # runner/decoder_runner.py: its weights, then its cache on the device
+            return DecoderRunner(from_hf(loaded.model, max_positions=max_len), ROWS, max_len, device=AUDIT_DEVICE)
         return ModelRunner(loaded.model, ROWS, max_len, tree_attention_enabled=False, device=AUDIT_DEVICE)
 
     audit = SyncAudit()
