@@ -117,3 +117,20 @@ def test_a_step_copies_its_inputs_in_once_and_its_ids_out_once(tokenizer):
         assert out.top_k.shape[1] == 4
     assert counts == [(1, 1)] * 3
     assert runner.steps == 3 and any(shape.moves for shape in runner._graphs)  # the last step carried moves
+
+
+def test_auto_takes_the_compact_decoder_on_cuda_for_a_family_it_serves(tokenizer, monkeypatch):
+    from tr_serve.runner import factory
+
+    loaded = tiny_loaded(tokenizer)
+    built = []
+    monkeypatch.setattr(factory, "DecoderRunner", lambda *a, **kw: built.append("compact") or "compact")
+    monkeypatch.setattr(factory, "ModelRunner", lambda *a, **kw: built.append("transformers") or "transformers")
+    cuda = torch.device("cuda")
+    monkeypatch.setattr(torch.Tensor, "device", property(lambda self: cuda))  # a model "on CUDA"
+    monkeypatch.setattr(factory, "from_hf", lambda model, max_positions: None)
+    monkeypatch.setattr(factory, "select_plan", lambda model: None)
+    assert factory.local_runner(loaded.model, 64, 2, decoder="auto") == "compact"
+    loaded.model.config.model_type = "gpt_neox"  # a family the compact decoder does not serve
+    assert factory.local_runner(loaded.model, 64, 2, decoder="auto") == "transformers"
+    assert factory.local_runner(loaded.model, 64, 2, decoder="transformers") == "transformers"

@@ -8,6 +8,7 @@ import contextlib
 import torch
 
 from tr_serve.model.decoder import from_hf
+from tr_serve.model.family import features_of
 from tr_serve.runner.decoder_runner import DecoderRunner
 from tr_serve.runner.kernel_autotune import select_plan
 from tr_serve.runner.model_runner import ModelRunner, rows_within_budget
@@ -24,11 +25,11 @@ def local_runner(model: torch.nn.Module, max_len: int, max_rows: int, kv_cache_m
     results nobody reads. ``audit``: the runner lives on the sync audit's stand-in accelerator and
     its cache is made there (runner/sync_audit.py). ``decoder``: "compact" runs tr_serve's own
     decoder (runner/decoder_runner.py, ``compile`` its graphs), "transformers" the model's layers,
-    "auto" compact on CUDA and transformers elsewhere."""
+    "auto" compact on CUDA where it serves the model's family, transformers elsewhere."""
     dtype = next(model.parameters()).dtype
     num_rows = rows_within_budget(model.config, max_len, dtype, max_rows, kv_cache_memory_gb)
     device = next(model.parameters()).device
-    if decoder == "compact" or (decoder == "auto" and device.type == "cuda"):
+    if decoder == "compact" or (decoder == "auto" and device.type == "cuda" and _compact_serves(model)):
         with audit if audit is not None else contextlib.nullcontext():
             compact = from_hf(model, max_positions=max_len)
             return DecoderRunner(compact, num_rows, max_len, compile=compile,
@@ -37,3 +38,12 @@ def local_runner(model: torch.nn.Module, max_len: int, max_rows: int, kv_cache_m
     with audit if audit is not None else contextlib.nullcontext():
         return ModelRunner(model, num_rows, max_len, kernel_plan=plan, tree_attention_enabled=cpu_kernels == "auto",
                            device=AUDIT_DEVICE if audit is not None else None, emits=emits)
+
+
+def _compact_serves(model: torch.nn.Module) -> bool:
+    """Whether the compact decoder serves ``model``'s family (tr_serve/model/family.py)."""
+    try:
+        features_of(model.config)
+    except ValueError:
+        return False
+    return True
