@@ -62,6 +62,15 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * h.to(dtype)
 
 
+def rope_table(inv_freq: torch.Tensor, scaling: float, positions: int,
+               device: torch.device | str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin [positions, head_dim] float32 as transformers computes them per forward: float32
+    positions times ``inv_freq``, doubled, times the attention ``scaling``."""
+    freqs = torch.arange(positions, dtype=torch.float32, device=device)[:, None] * inv_freq.float().to(device)[None, :]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos() * scaling, emb.sin() * scaling
+
+
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """The rotary embedding of ``x`` [..., head_dim] with ``cos``/``sin`` broadcast to it."""
     half = x.shape[-1] // 2
@@ -103,11 +112,10 @@ class CompactDecoder(torch.nn.Module):
         self.layers = torch.nn.ModuleList(CompactLayer(shape, features, w) for w in features.windows)
         self.norm = torch.nn.Parameter(torch.ones(shape.hidden))
         self.lm_head = None if features.tied else torch.nn.Linear(shape.hidden, shape.vocab, bias=False)
-        # as transformers computes it per forward: float32 positions times inv_freq, cos/sin scaled
-        freqs = torch.arange(max_positions, dtype=torch.float32)[:, None] * inv_freq.float()[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)
-        self.register_buffer("cos", emb.cos() * rope_scaling, persistent=False)  # [max_positions, head_dim]
-        self.register_buffer("sin", emb.sin() * rope_scaling, persistent=False)
+        # [max_positions, head_dim] float32 on the host: not buffers, so that casting the module keeps
+        # them float32 (transformers computes them in float32 per forward); from_hf places them
+        self.rope = (inv_freq, rope_scaling, max_positions)
+        self.cos, self.sin = rope_table(inv_freq, rope_scaling, max_positions)
 
     @property
     def head_weight(self) -> torch.Tensor:
@@ -172,8 +180,17 @@ class CompactDecoder(torch.nn.Module):
                  kv_len: int, top_k: int) -> torch.Tensor:
         """:meth:`step` reduced to ids on the device: [R, Q, 1 + top_k] int32, each query's argmax
         then its ``top_k`` most likely next tokens (best first): what the step copies back, once."""
-        hidden = self.step(tokens, positions, rows, slot_mapping, prefix, local, k_cache, v_cache, kv_len)
-        logits = F.linear(hidden, self.head_weight).float()
+        return self.ids_of(self.step(tokens, positions, rows, slot_mapping, prefix, local, k_cache, v_cache, kv_len),
+                           top_k)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """float32 logits [..., vocab] of ``hidden`` [..., hidden]."""
+        return F.linear(hidden, self.head_weight).float()
+
+    def ids_of(self, hidden: torch.Tensor, top_k: int) -> torch.Tensor:
+        """[..., 1 + top_k] int32: the argmax after each of ``hidden`` [..., hidden], then its ``top_k``
+        most likely next tokens (best first)."""
+        logits = self.logits(hidden)
         best = logits.argmax(-1, keepdim=True)
         if top_k == 0:
             return best.to(torch.int32)
@@ -194,7 +211,8 @@ def from_hf(model: torch.nn.Module, max_positions: int) -> CompactDecoder:
     weight = inner.embed_tokens.weight
     dec = CompactDecoder(shape, features, rotary.inv_freq.detach().cpu(), float(rotary.attention_scaling), max_positions)
     dec.to(device=weight.device, dtype=weight.dtype)
-    dec.cos, dec.sin = dec.cos.float(), dec.sin.float()  # the table stays float32, as transformers computes it
+    if weight.device.type != "cpu":
+        dec.cos, dec.sin = dec.cos.to(weight.device), dec.sin.to(weight.device)
     with torch.no_grad():
         dec.embed.weight.copy_(weight)
         if dec.lm_head is not None:

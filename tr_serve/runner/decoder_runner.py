@@ -15,15 +15,14 @@ next slots) ride in the next step's buffer and run at the start of its graph.
 
 from __future__ import annotations
 
+import functools
 import math
-import time
 import types
 from dataclasses import dataclass
 from typing import Callable
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from tr_serve.model.decoder import CompactDecoder
 from tr_serve.runner.next_tokens import next_token_ids, on_host, unpack
@@ -32,14 +31,14 @@ from tr_serve.runner.step_io import NextTokens, PrefillOutput, StepRunner, StepS
 MIN_PICKS = 8  # the smallest bucket of picked outputs and of KV moves (0 moves stays 0)
 
 
-def bucket(n: int, cap: int, least: int = 1) -> int:
-    """The smallest power of two >= max(n, least), at most ``cap`` (n <= cap).
+def bucket(n: int, cap: int | None, least: int = 1) -> int:
+    """The smallest power of two >= max(n, least), at most ``cap`` (n <= cap; None: no cap).
 
     Example: bucket(5, 64) -> 8; bucket(33, 40) -> 40; bucket(0, 64, 8) -> 8."""
-    if n > cap:
+    if cap is not None and n > cap:
         raise ValueError(f"{n} exceeds its bucket cap {cap}")
-    size = max(n, least, 1)
-    return min(cap, 1 << (size - 1).bit_length())
+    size = 1 << (max(n, least, 1) - 1).bit_length()
+    return size if cap is None else min(cap, size)
 
 
 @dataclass(frozen=True)
@@ -68,6 +67,7 @@ class StepShape:
         return out
 
 
+@functools.cache
 def buffer_layout(shape: StepShape) -> tuple[tuple[str, int, tuple[int, ...]], ...]:
     """(name, offset, dims) of each field of the step buffer, and so its size: the last offset + size."""
     out, at = [], 0
@@ -103,7 +103,6 @@ class DecoderRunner(StepRunner):
         self.lens = np.zeros(num_rows, dtype=np.int64)
         self._moves: list[tuple[int, int]] = []  # (flat source slot, flat destination slot) for the next step
         self._graphs: dict[StepShape, Callable[..., torch.Tensor]] = {}
-        self.compile_seconds: dict[StepShape, float] = {}
         self.steps = 0
 
     @property
@@ -183,10 +182,10 @@ class DecoderRunner(StepRunner):
         b, q = tokens.shape
         s = self.max_len
         greedy = not sampling.any_sampled
-        shape = StepShape(rows=bucket(b, self.num_rows), queries=bucket(q, s),
-                          kv=bucket(int((self.lens[rows] + q).max()), s),
-                          picks=bucket(len(picks), bucket(b, self.num_rows) * bucket(q, s), MIN_PICKS),
-                          moves=bucket(len(self._moves), max(len(self._moves), MIN_PICKS), MIN_PICKS) if self._moves else 0,
+        rows_bucket, queries_bucket = bucket(b, self.num_rows), bucket(q, s)
+        shape = StepShape(rows=rows_bucket, queries=queries_bucket, kv=bucket(int((self.lens[rows] + q).max()), s),
+                          picks=bucket(len(picks), rows_bucket * queries_bucket, MIN_PICKS),
+                          moves=bucket(len(self._moves), None, MIN_PICKS) if self._moves else 0,
                           k=sampling.recycle_k, causal=local is None, greedy=greedy)
         buffer = self._pack(shape, rows, tokens, depths, local, lengths, picks)
         device_buffer = buffer.to(self.device, non_blocking=True)  # the step's one copy to the device
@@ -198,8 +197,8 @@ class DecoderRunner(StepRunner):
         if not greedy:  # the sampler draws from the picked outputs' logits (runner/sampler.py)
             node_rows = np.asarray(picks) // q
             node_positions = positions_after.reshape(-1)[np.asarray(picks)]
-            logits = F.linear(out[: len(picks)], self.decoder.head_weight).float()
-            out = next_token_ids(logits, sampling, node_rows, node_positions, on_host(self.device))
+            out = next_token_ids(self.decoder.logits(out[: len(picks)]), sampling, node_rows, node_positions,
+                                 on_host(self.device))
         return out[: len(picks)].cpu()  # the step's one copy to the host
 
     def _pack(self, shape: StepShape, rows: np.ndarray, tokens: np.ndarray, depths: np.ndarray,
@@ -265,13 +264,7 @@ class DecoderRunner(StepRunner):
             hidden = decoder.step(f["tokens"].long(), f["positions"].long(), f["rows"].long(), f["slot_mapping"].long(),
                                   f["prefix"].long(), local, k_cache, v_cache, shape.kv)
             picked = hidden.reshape(shape.rows * shape.queries, -1).index_select(0, f["picks"].long())
-            if not shape.greedy:
-                return picked
-            logits = F.linear(picked, decoder.head_weight).float()
-            best = logits.argmax(-1, keepdim=True)
-            if shape.k == 0:
-                return best.to(torch.int32)
-            return torch.cat((best, logits.topk(shape.k, dim=-1).indices), dim=-1).to(torch.int32)
+            return decoder.ids_of(picked, shape.k) if shape.greedy else picked
 
         if not self.compiled:
             self._graphs[shape] = step
@@ -283,28 +276,6 @@ class DecoderRunner(StepRunner):
         compiled = torch.compile(own, fullgraph=True, dynamic=False)
         self._graphs[shape] = compiled
         return compiled
-
-    def warm_up(self, shape: StepShape) -> float:
-        """Compile (and run once) the graph of ``shape`` on a zero input; its seconds. Why before
-        any timing: the latency table must time steps, not compiles. A failure names the shape."""
-        t0 = time.perf_counter()
-        layout = buffer_layout(shape)
-        buffer = torch.zeros(layout[-1][1], dtype=torch.int32, device=self.device)
-        f = unpack_fields(buffer, layout)
-        f["rows"].fill_(self.sink)
-        f["slot_mapping"].copy_(self.sink * self.max_len + torch.arange(shape.queries, device=self.device)[None])
-        if shape.moves:
-            f["move_src"].fill_(self.sink * self.max_len)
-            f["move_dst"].fill_(self.sink * self.max_len)
-        if not shape.causal:
-            f["local"].copy_(torch.eye(shape.queries, dtype=torch.int32, device=self.device)[None])
-        try:
-            with torch.inference_mode():
-                self._graph(shape)(buffer, self.k_cache, self.v_cache)
-        except Exception as e:
-            raise RuntimeError(f"the step graph of {shape} failed to build: {e}") from e
-        self.compile_seconds[shape] = time.perf_counter() - t0
-        return self.compile_seconds[shape]
 
 
 def _padded(a: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:

@@ -159,11 +159,6 @@ class Drafter:
         return TreeBudget(self.template, latency, self.context.max_tokens if self.context else 0,
                           NODE_CANDIDATES, CHAIN_CAPS, EXPLORE_EVERY, REORDER_EVERY)
 
-    @property
-    def budgets(self) -> list[TreeBudget]:
-        """Every budget: the shared tenant's first, then the named tenants' (none without ``auto``)."""
-        return ([self.budget, *self._tenant_budgets.values()]) if self.budget is not None else []
-
     def adopt_latency_table(self, table: LatencyTable) -> None:
         """Price every budget's steps by ``table`` from now on (the latency they share)."""
         self.budget.adopt_latency_table(table)
@@ -184,28 +179,29 @@ class Drafter:
         tenant's rows are planned by its own budget (:meth:`budget_of`) and drafted apart, then
         merged into one batch (tr/draft.py merge_parts)."""
         if self.budget is None or tenants is None or not any(t is not None for t in tenants):
-            return self._draft(self.budget, None, roots, contexts, room, before, documents, plain_rows, scopes)
+            return self._draft(None, roots, contexts, room, before, documents, plain_rows, scopes)
         groups: dict[str | None, list[int]] = {}
         for r, t in enumerate(tenants):
             groups.setdefault(t, []).append(r)
+        if len(groups) == 1:  # one named tenant: its budget, every row
+            (tenant, rows), = groups.items()
+            batch = self._draft(tenant, roots, contexts, room, before, documents, plain_rows, scopes)
+            return replace(batch, parts=(DraftPart(tenant, tuple(rows), batch),))
         parts = []
         for tenant, rows in groups.items():
-            if len(groups) == 1:
-                batch = self._draft(self.budget_of(tenant), tenant, roots, contexts, room, before, documents,
-                                    plain_rows, scopes)
-                return replace(batch, parts=(DraftPart(tenant, tuple(rows), batch),))
             index = torch.tensor(rows, dtype=torch.long)
-            batch = self._draft(self.budget_of(tenant), tenant, roots[index], _pick(contexts, rows), _pick(room, rows),
+            batch = self._draft(tenant, roots[index], _pick(contexts, rows), _pick(room, rows),
                                 before[index] if before is not None else None, _pick(documents, rows),
                                 _pick(plain_rows, rows), scopes.subset(rows) if scopes is not None else None)
             parts.append(DraftPart(tenant, tuple(rows), batch))
         return merge_parts(parts, roots.shape[0])
 
-    def _draft(self, budget: TreeBudget | None, tenant: str | None, roots: torch.Tensor,
-               contexts: list[ContextIndex] | None, room: list[int] | None, before: torch.Tensor | None,
-               documents: list[int | None] | None, plain_rows: list[bool] | None,
-               scopes: RowScopes | None) -> DraftBatch:
-        """:meth:`draft` for rows that one ``budget`` plans (``tenant``'s; None: no budget, a fixed tree)."""
+    def _draft(self, tenant: str | None, roots: torch.Tensor, contexts: list[ContextIndex] | None,
+               room: list[int] | None, before: torch.Tensor | None, documents: list[int | None] | None,
+               plain_rows: list[bool] | None, scopes: RowScopes | None) -> DraftBatch:
+        """:meth:`draft` for rows of one tenant (None: the shared one), planned by its budget (none:
+        a fixed tree)."""
+        budget = self.budget_of(tenant) if self.budget is not None else None
         pairs = self.pairs if before is not None else None
         b = roots.shape[0]
         chains: list[list[int]] = [[] for _ in range(b)]
