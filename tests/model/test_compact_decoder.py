@@ -47,13 +47,13 @@ def _logits(dec, hidden: torch.Tensor) -> torch.Tensor:
 def test_prefill_and_a_tree_step_match_transformers(name):
     model = _model(name)
     dec = from_hf(model, max_positions=128)
-    k, v = dec.new_cache(rows=3, slots=64)
+    k, v = dec.new_cache(slots=3 * 64)
     prompt = torch.randint(0, 300, (20,), generator=torch.Generator().manual_seed(1)).tolist()
     q = len(prompt)
     causal = torch.ones(q, q, dtype=torch.bool).tril()[None]
-    row = torch.tensor([2])  # any cache row
-    hidden = dec.step(torch.tensor([prompt]), torch.arange(q)[None], row, 2 * 64 + torch.arange(q)[None],
-                      torch.tensor([0]), causal, k, v, kv_len=32)
+    row = 2 * 64 + torch.arange(32)[None]  # the sequence's slots: any range of the cache
+    hidden = dec.step(torch.tensor([prompt]), torch.arange(q)[None], 2 * 64 + torch.arange(q)[None], row,
+                      torch.tensor([0]), causal, k, v)
     ref = _reference(model, prompt)
     assert torch.allclose(_logits(dec, hidden)[0], ref, atol=1e-4, rtol=1e-4)
     # a tree under the last prompt token: root, two children, a grandchild under the first child
@@ -62,8 +62,8 @@ def test_prefill_and_a_tree_step_match_transformers(name):
     depths = torch.tensor([[0, 1, 1, 2]])
     local = torch.tensor([[[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 1, 0, 1]]], dtype=torch.bool)
     prefix = q - 1  # the root's own K/V is written again by the step
-    hidden = dec.step(torch.tensor([tree]), prefix + depths, row, 2 * 64 + prefix + torch.arange(4)[None],
-                      torch.tensor([prefix]), local, k, v, kv_len=32)
+    hidden = dec.step(torch.tensor([tree]), prefix + depths, 2 * 64 + prefix + torch.arange(4)[None], row,
+                      torch.tensor([prefix]), local, k, v)
     got = _logits(dec, hidden)[0]
     for node in range(4):
         path, at = [], node
@@ -77,14 +77,14 @@ def test_prefill_and_a_tree_step_match_transformers(name):
 def test_rows_of_one_step_see_only_their_own_slots():
     model = _model("llama")
     dec = from_hf(model, max_positions=128)
-    k, v = dec.new_cache(rows=4, slots=32)
+    k, v = dec.new_cache(slots=4 * 32)
     a, b = [5, 6, 7, 8, 9], [40, 41, 42]
     causal = torch.ones(5, 5, dtype=torch.bool).tril()
     local = torch.stack([causal, causal])
     tokens = torch.tensor([a, b + [0, 0]])  # b padded to the step's width
-    hidden = dec.step(tokens, torch.arange(5)[None].expand(2, 5), torch.tensor([3, 1]),
-                      torch.tensor([[3 * 32], [1 * 32]]) + torch.arange(5)[None], torch.tensor([0, 0]), local, k, v,
-                      kv_len=16)
+    starts = torch.tensor([[3 * 32], [1 * 32]])  # a at slots 96.., b at 32..
+    hidden = dec.step(tokens, torch.arange(5)[None].expand(2, 5), starts + torch.arange(5)[None],
+                      starts + torch.arange(16)[None], torch.tensor([0, 0]), local, k, v)
     logits = _logits(dec, hidden)
     assert torch.allclose(logits[0], _reference(model, a), atol=1e-4)
     assert torch.allclose(logits[1, :3], _reference(model, b), atol=1e-4)
@@ -126,14 +126,15 @@ def test_the_compiled_step_is_one_graph_per_bucket_and_equals_eager():
         tokens = torch.randint(0, 300, (2, 4), generator=g)
         prefix = torch.randint(0, 20, (2,), generator=g)
         depths = torch.tensor([0, 1, 1, 2])[None]
-        args = (tokens, prefix[:, None] + depths, torch.tensor([0, 2]),
-                torch.tensor([[0], [2 * 32]]) + prefix[:, None] + torch.arange(4)[None], prefix, local)
-        k1, v1 = dec.new_cache(rows=3, slots=32)
+        starts = torch.tensor([[0], [2 * 32]])
+        args = (tokens, prefix[:, None] + depths, starts + prefix[:, None] + torch.arange(4)[None],
+                starts + torch.arange(32)[None], prefix, local)
+        k1, v1 = dec.new_cache(slots=3 * 32)
         k1.normal_(generator=g)
         v1.normal_(generator=g)
         k2, v2 = k1.clone(), v1.clone()
-        eager = dec.step_ids(*args, k1, v1, 32, 4)
-        got = compiled(*args, k2, v2, 32, 4)
+        eager = dec.step_ids(*args, k1, v1, 4)
+        got = compiled(*args, k2, v2, 4)
         assert torch.equal(got[..., 0], eager[..., 0])
         assert torch.allclose(k2, k1, atol=1e-5) and torch.allclose(v2, v1, atol=1e-5)  # written in place, as eagerly
     assert sum(counters["graph_break"].values()) == 0
@@ -148,17 +149,17 @@ def test_greedy_tokens_of_the_embedded_model_equal_transformers(loaded):
     model = loaded.model
     prompt = encode_prompt(loaded.tokenizer, [{"role": "user", "content": "Explain what a hash table is."}])
     dec = from_hf(model, max_positions=256)
-    k, v = dec.new_cache(rows=1, slots=256)
-    row, q = torch.tensor([0]), len(prompt)
+    k, v = dec.new_cache(slots=256)
+    row, q = torch.arange(256)[None], len(prompt)
     causal = torch.ones(q, q, dtype=torch.bool).tril()[None]
     with torch.inference_mode():
-        ids = dec.step_ids(torch.tensor([prompt]), torch.arange(q)[None], row, torch.arange(q)[None],
-                           torch.tensor([0]), causal, k, v, 256, 0)
+        ids = dec.step_ids(torch.tensor([prompt]), torch.arange(q)[None], torch.arange(q)[None], row,
+                           torch.tensor([0]), causal, k, v, 0)
         mine = [int(ids[0, -1, 0])]
         one = torch.ones(1, 1, 1, dtype=torch.bool)
         for n in range(q, q + 23):
             at = torch.tensor([[n]])
-            ids = dec.step_ids(torch.tensor([[mine[-1]]]), at, row, at, torch.tensor([n]), one, k, v, 256, 0)
+            ids = dec.step_ids(torch.tensor([[mine[-1]]]), at, at, row, torch.tensor([n]), one, k, v, 0)
             mine.append(int(ids[0, 0, 0]))
         theirs = model.generate(torch.tensor([prompt]), max_new_tokens=24, do_sample=False)[0, q:].tolist()
     assert mine == theirs

@@ -7,10 +7,12 @@ matmul, SiLU-and-multiply, one down matmul. Nothing in :meth:`CompactDecoder.ste
 value or branches on data, so ``torch.compile(fullgraph=True)`` takes it whole and, on a GPU, a
 bucket's step can be captured as one CUDA graph.
 
-The cache is per row: ``[layers, rows, slots, kv_heads, head_dim]`` for K and for V; row r's
-token at slot s is ``cache[:, r, s]``, flat slot ``r * slots + s`` in the slot mapping. The step
-writes each query's K/V at its flat slot and reads ``kv_len`` slots of each of its rows (a
-bucket, at least the longest prefix plus the step's width).
+The cache is flat: ``[layers, slots, kv_heads, head_dim]`` for K and for V. The step writes each
+query's K/V at its slot (the slot mapping) and each row reads the slots of its sequence in order
+(``read_slots``): where those slots are is the allocator's business (a row of a contiguous range,
+or blocks of a block table), not the model's. The writes are ``index_put_`` on the whole cache,
+which Inductor keeps in place (a write through a view of a graph input is not: it copies the
+cache).
 """
 
 from __future__ import annotations
@@ -80,7 +82,7 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
 
 def step_mask(positions: torch.Tensor, prefix: torch.Tensor, local: torch.Tensor, kv_len: int,
               window: int | None, dtype: torch.dtype) -> torch.Tensor:
-    """[R, 1, Q, kv_len] additive mask: query (r, i) sees slot j of its row when j holds the row's
+    """[R, 1, Q, kv_len] additive mask: query (r, i) sees the j-th slot its row reads when j holds the row's
     prefix (j < prefix[r]) or the step's column c = j - prefix[r] with local[r, i, c], and, under a
     sliding window, when the key's position is less than ``window`` behind the query's.
 
@@ -99,6 +101,44 @@ def step_mask(positions: torch.Tensor, prefix: torch.Tensor, local: torch.Tensor
         visible = visible & (positions[:, :, None] - key_pos[:, None, :] < window)
     zero = torch.zeros((), dtype=dtype, device=positions.device)
     return torch.where(visible, zero, torch.finfo(dtype).min)[:, None]
+
+
+# The two halves of a layer, each a nested compile region: torch.compile traces and compiles each
+# once and reuses the code for every layer of the same shapes (compile time of one layer, not of
+# all of them). The cache writes between them stay in the step, on the whole cache, in place.
+@torch.compiler.nested_compile_region
+def attention_inputs(x: torch.Tensor, qkv_w: torch.Tensor, qkv_b: torch.Tensor | None, q_norm: torch.Tensor | None,
+                     k_norm: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor, heads: int, kv_heads: int,
+                     eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x [R, Q, hidden] (normed) -> q [R, Q, heads, D], k and v [R, Q, kv_heads, D]: one QKV matmul,
+    the q/k norms where the family has them, the rotary embedding of q and k."""
+    r, q, _ = x.shape
+    qkv = F.linear(x, qkv_w, qkv_b)
+    d = qkv.shape[-1] // (heads + 2 * kv_heads)
+    xq, xk, xv = qkv.split([heads * d, kv_heads * d, kv_heads * d], dim=-1)
+    xq, xk, xv = xq.view(r, q, heads, d), xk.view(r, q, kv_heads, d), xv.view(r, q, kv_heads, d)
+    if q_norm is not None and k_norm is not None:
+        xq, xk = rms_norm(xq, q_norm, eps), rms_norm(xk, k_norm, eps)
+    # v is a copy, not a view of the QKV output: a region's output that aliases its intermediate
+    # was read wrongly by the next region (a torch 2.13 miscompile the compiled-step test catches)
+    return rotate(xq, cos, sin), rotate(xk, cos, sin), xv.contiguous()
+
+
+@torch.compiler.nested_compile_region
+def attention_and_mlp(xq: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
+                      residual: torch.Tensor, o_w: torch.Tensor, o_b: torch.Tensor | None, post_norm: torch.Tensor,
+                      gate_up_w: torch.Tensor, gate_up_b: torch.Tensor | None, down_w: torch.Tensor,
+                      down_b: torch.Tensor | None, next_norm: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of xq [R, Q, heads, D] over keys/values [R, KV, kv_heads, D] under ``mask``
+    [R, 1, Q, KV], the output matmul, the MLP (one gate/up matmul), each added to ``residual``
+    [R, Q, hidden]; returns the residual and its norm under ``next_norm`` (the next layer's input)."""
+    r, q, heads, d = xq.shape
+    out = F.scaled_dot_product_attention(xq.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2),
+                                         attn_mask=mask, scale=d ** -0.5, enable_gqa=heads != keys.shape[2])
+    residual = residual + F.linear(out.transpose(1, 2).reshape(r, q, heads * d), o_w, o_b)
+    gate, up = F.linear(rms_norm(residual, post_norm, eps), gate_up_w, gate_up_b).chunk(2, dim=-1)
+    residual = residual + F.linear(F.silu(gate) * up, down_w, down_b)
+    return residual, rms_norm(residual, next_norm, eps)
 
 
 class CompactDecoder(torch.nn.Module):
@@ -121,66 +161,57 @@ class CompactDecoder(torch.nn.Module):
     def head_weight(self) -> torch.Tensor:
         return self.embed.weight if self.lm_head is None else self.lm_head.weight
 
-    def new_cache(self, rows: int, slots: int, dtype: torch.dtype | None = None,
+    def new_cache(self, slots: int, dtype: torch.dtype | None = None,
                   device: torch.device | str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V caches [layers, rows, slots, kv_heads, head_dim] for this decoder."""
+        """K and V caches [layers, slots, kv_heads, head_dim] for this decoder."""
         s = self.shape
         dtype = dtype or self.embed.weight.dtype
         device = device or self.embed.weight.device
-        size = (s.layers, rows, slots, s.kv_heads, s.head_dim)
+        size = (s.layers, slots, s.kv_heads, s.head_dim)
         return torch.zeros(size, dtype=dtype, device=device), torch.zeros(size, dtype=dtype, device=device)
 
-    def step(self, tokens: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor, slot_mapping: torch.Tensor,
-             prefix: torch.Tensor, local: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-             kv_len: int) -> torch.Tensor:
+    def step(self, tokens: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor, read_slots: torch.Tensor,
+             prefix: torch.Tensor, local: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
         """Hidden states [R, Q, hidden] after the final norm.
 
         tokens [R, Q] int64 (>= 0; padding runs as any id), positions [R, Q] int64 (rotary),
-        rows [R] int64 (the cache rows attention reads), slot_mapping [R, Q] int64 (the flat slot
-        each query's K/V is written at: ``row * slots + slot``), prefix [R] int64 (the row's committed slots, before the step's), local [R, Q, Q]
-        bool (query i sees the step's column c), k_cache / v_cache as :meth:`new_cache` (written
-        in place); kv_len: the slots of each row attention reads (a bucket: every prefix plus Q)."""
+        slot_mapping [R, Q] int64 (the cache slot each query's K/V is written at), read_slots [R, KV]
+        int64 (the slots of each row's sequence attention reads, in order: its prefix, then the step's
+        columns, then anything masked off), prefix [R] int64 (the row's committed tokens, before the
+        step's), local [R, Q, Q] bool (query i sees the step's column c), k_cache / v_cache as
+        :meth:`new_cache` (written in place)."""
         s = self.shape
         r, q = tokens.shape
+        kv_len = read_slots.shape[1]
         h = self.embed(tokens)  # [R, Q, hidden]
         cos = self.cos[positions][:, :, None].to(h.dtype)  # [R, Q, 1, head_dim]
         sin = self.sin[positions][:, :, None].to(h.dtype)
-        masks: dict[int | None, torch.Tensor] = {}
         residual = h
         x = rms_norm(h, self.layers[0].input_norm, s.eps)
-        n_q, n_kv = s.heads * s.head_dim, s.kv_heads * s.head_dim
+        written = slot_mapping.reshape(-1)  # [R*Q]
+        mask_of: dict[int | None, torch.Tensor] = {}
+        for layer in self.layers:
+            if layer.window not in mask_of:
+                mask_of[layer.window] = step_mask(positions, prefix, local, kv_len, layer.window, h.dtype)
         for i, layer in enumerate(self.layers):
-            qkv = layer.qkv(x)
-            xq = qkv[..., :n_q].view(r, q, s.heads, s.head_dim)
-            xk = qkv[..., n_q : n_q + n_kv].view(r, q, s.kv_heads, s.head_dim)
-            xv = qkv[..., n_q + n_kv :].view(r, q, s.kv_heads, s.head_dim)
-            if layer.q_norm is not None:
-                xq, xk = rms_norm(xq, layer.q_norm, s.eps), rms_norm(xk, layer.k_norm, s.eps)
-            xq, xk = rotate(xq, cos, sin), rotate(xk, cos, sin)
-            k_cache[i].flatten(0, 1).index_copy_(0, slot_mapping.reshape(-1), xk.reshape(r * q, s.kv_heads, s.head_dim))
-            v_cache[i].flatten(0, 1).index_copy_(0, slot_mapping.reshape(-1), xv.reshape(r * q, s.kv_heads, s.head_dim))
-            keys = k_cache[i][rows, :kv_len].transpose(1, 2)  # [R, kv_heads, kv_len, head_dim]
-            values = v_cache[i][rows, :kv_len].transpose(1, 2)
-            if layer.window not in masks:
-                masks[layer.window] = step_mask(positions, prefix, local, kv_len, layer.window, h.dtype)
-            out = F.scaled_dot_product_attention(xq.transpose(1, 2), keys, values, attn_mask=masks[layer.window],
-                                                 scale=s.head_dim ** -0.5, enable_gqa=s.heads != s.kv_heads)
-            h = layer.o(out.transpose(1, 2).reshape(r, q, n_q))
-            residual = residual + h
-            x = rms_norm(residual, layer.post_norm, s.eps)
-            gate, up = layer.gate_up(x).chunk(2, dim=-1)
-            h = layer.down(F.silu(gate) * up)
-            residual = residual + h
+            xq, xk, xv = attention_inputs(x, layer.qkv.weight, layer.qkv.bias, layer.q_norm, layer.k_norm, cos, sin,
+                                          s.heads, s.kv_heads, s.eps)
+            at = torch.full_like(written, i)
+            k_cache.index_put_((at, written), xk.reshape(r * q, s.kv_heads, s.head_dim))
+            v_cache.index_put_((at, written), xv.reshape(r * q, s.kv_heads, s.head_dim))
             nxt = self.layers[i + 1].input_norm if i + 1 < len(self.layers) else self.norm
-            x = rms_norm(residual, nxt, s.eps)
+            residual, x = attention_and_mlp(xq, k_cache[i][read_slots], v_cache[i][read_slots], mask_of[layer.window],
+                                            residual, layer.o.weight, layer.o.bias, layer.post_norm,
+                                            layer.gate_up.weight, layer.gate_up.bias, layer.down.weight,
+                                            layer.down.bias, nxt, s.eps)
         return x
 
-    def step_ids(self, tokens: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor, slot_mapping: torch.Tensor,
-                 prefix: torch.Tensor, local: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                 kv_len: int, top_k: int) -> torch.Tensor:
+    def step_ids(self, tokens: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
+                 read_slots: torch.Tensor, prefix: torch.Tensor, local: torch.Tensor, k_cache: torch.Tensor,
+                 v_cache: torch.Tensor, top_k: int) -> torch.Tensor:
         """:meth:`step` reduced to ids on the device: [R, Q, 1 + top_k] int32, each query's argmax
         then its ``top_k`` most likely next tokens (best first): what the step copies back, once."""
-        return self.ids_of(self.step(tokens, positions, rows, slot_mapping, prefix, local, k_cache, v_cache, kv_len),
+        return self.ids_of(self.step(tokens, positions, slot_mapping, read_slots, prefix, local, k_cache, v_cache),
                            top_k)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

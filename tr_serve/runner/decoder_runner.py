@@ -99,7 +99,8 @@ class DecoderRunner(StepRunner):
         self.compiled = compile
         self.emits = emits
         self.sink = num_rows  # the cache row padding writes into
-        self.k_cache, self.v_cache = decoder.new_cache(num_rows + 1, max_len, self.dtype, self.device)
+        # row r holds flat slots [r * max_len, (r + 1) * max_len) of the decoder's cache
+        self.k_cache, self.v_cache = decoder.new_cache((num_rows + 1) * max_len, self.dtype, self.device)
         self.lens = np.zeros(num_rows, dtype=np.int64)
         self._moves: list[tuple[int, int]] = []  # (flat source slot, flat destination slot) for the next step
         self._graphs: dict[StepShape, Callable[..., torch.Tensor]] = {}
@@ -246,7 +247,7 @@ class DecoderRunner(StepRunner):
         graph = self._graphs.get(shape)
         if graph is not None:
             return graph
-        decoder = self.decoder
+        decoder, max_len = self.decoder, self.max_len
         layout = buffer_layout(shape)
 
         def step(buffer: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
@@ -254,15 +255,15 @@ class DecoderRunner(StepRunner):
             if shape.moves:  # the last compaction's moves, every layer at once, before this step writes
                 src, dst = f["move_src"].long(), f["move_dst"].long()
                 for cache in (k_cache, v_cache):
-                    flat = cache.flatten(1, 2)  # [layers, rows * slots, kv_heads, head_dim]
-                    flat.index_copy_(1, dst, flat.index_select(1, src))
+                    cache[:, dst] = cache[:, src]
             if shape.causal:
                 local = torch.ones(shape.queries, shape.queries, dtype=torch.bool, device=buffer.device).tril()
                 local = local[None].expand(shape.rows, shape.queries, shape.queries)
             else:
                 local = f["local"].bool()
-            hidden = decoder.step(f["tokens"].long(), f["positions"].long(), f["rows"].long(), f["slot_mapping"].long(),
-                                  f["prefix"].long(), local, k_cache, v_cache, shape.kv)
+            read_slots = f["rows"].long()[:, None] * max_len + torch.arange(shape.kv, device=buffer.device)[None, :]
+            hidden = decoder.step(f["tokens"].long(), f["positions"].long(), f["slot_mapping"].long(), read_slots,
+                                  f["prefix"].long(), local, k_cache, v_cache)
             picked = hidden.reshape(shape.rows * shape.queries, -1).index_select(0, f["picks"].long())
             return decoder.ids_of(picked, shape.k) if shape.greedy else picked
 
