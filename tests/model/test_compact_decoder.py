@@ -163,3 +163,23 @@ def test_greedy_tokens_of_the_embedded_model_equal_transformers(loaded):
             mine.append(int(ids[0, 0, 0]))
         theirs = model.generate(torch.tensor([prompt]), max_new_tokens=24, do_sample=False)[0, q:].tolist()
     assert mine == theirs
+
+
+def test_repeated_kv_heads_attend_as_grouped_query_attention():
+    """The CUDA layout (each KV head repeated for its query heads) computes what enable_gqa does."""
+    from tr_serve.model.decoder import kv_heads_for_sdpa
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 3, n, 8, generator=g) for n in (4, 2, 2))  # [R, Q or KV, heads, D]
+    mask = torch.where(torch.rand(2, 1, 3, 3, generator=g) > 0.3, 0.0, float("-inf"))
+    mask[..., 0] = 0.0
+
+    def attend(keys, values):
+        return torch.nn.functional.scaled_dot_product_attention(
+            q.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2), attn_mask=mask,
+            enable_gqa=keys.shape[2] != 4)
+
+    repeated = kv_heads_for_sdpa(k, v, 4, masked_gqa=False)
+    assert repeated[0].shape == (2, 3, 4, 8)
+    assert kv_heads_for_sdpa(k, v, 4, masked_gqa=True)[0] is k
+    assert torch.allclose(attend(*repeated), attend(k, v), atol=1e-6)

@@ -103,6 +103,18 @@ def step_mask(positions: torch.Tensor, prefix: torch.Tensor, local: torch.Tensor
     return torch.where(visible, zero, torch.finfo(dtype).min)[:, None]
 
 
+def kv_heads_for_sdpa(keys: torch.Tensor, values: torch.Tensor, heads: int,
+                      masked_gqa: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """keys/values [R, KV, kv_heads, D] as SDPA's fused kernels take them under a mask: as they are
+    where the device's kernel does masked grouped-query attention (``masked_gqa``: CPU's flash
+    kernel), else each KV head repeated for its query heads ([R, KV, heads, D]), which is what
+    ``enable_gqa`` means (on CUDA, enable_gqa with a mask runs the math kernel)."""
+    group = heads // keys.shape[2]
+    if masked_gqa or group == 1:
+        return keys, values
+    return keys.repeat_interleave(group, dim=2), values.repeat_interleave(group, dim=2)
+
+
 # The two halves of a layer, each a nested compile region: torch.compile traces and compiles each
 # once and reuses the code for every layer of the same shapes (compile time of one layer, not of
 # all of them). The cache writes between them stay in the step, on the whole cache, in place.
@@ -133,6 +145,7 @@ def attention_and_mlp(xq: torch.Tensor, keys: torch.Tensor, values: torch.Tensor
     [R, 1, Q, KV], the output matmul, the MLP (one gate/up matmul), each added to ``residual``
     [R, Q, hidden]; returns the residual and its norm under ``next_norm`` (the next layer's input)."""
     r, q, heads, d = xq.shape
+    keys, values = kv_heads_for_sdpa(keys, values, heads, masked_gqa=keys.device.type == "cpu")
     out = F.scaled_dot_product_attention(xq.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2),
                                          attn_mask=mask, scale=d ** -0.5, enable_gqa=heads != keys.shape[2])
     residual = residual + F.linear(out.transpose(1, 2).reshape(r, q, heads * d), o_w, o_b)
