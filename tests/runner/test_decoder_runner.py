@@ -134,3 +134,20 @@ def test_auto_takes_the_compact_decoder_on_cuda_for_a_family_it_serves(tokenizer
     loaded.model.config.model_type = "gpt_neox"  # a family the compact decoder does not serve
     assert factory.local_runner(loaded.model, 64, 2, decoder="auto") == "transformers"
     assert factory.local_runner(loaded.model, 64, 2, decoder="transformers") == "transformers"
+
+
+def test_a_prefill_seeding_every_position_picks_more_outputs_than_its_bucket_holds(tokenizer):
+    """A full bucket of prompt tokens (1 row x 8) seeded at every position picks 9 outputs (the
+    last position twice): each is the step's, equal to picking them alone."""
+    from tr_serve.model.decoder import from_hf
+    from tr_serve.runner.step_io import StepSampling
+
+    loaded = tiny_loaded(tokenizer)
+    runner = DecoderRunner(from_hf(loaded.model, max_positions=64), num_rows=1, max_len=64)
+    prompt = [5, 6, 7, 8, 9, 10, 11, 12]
+    out = runner.prefill_step(torch.tensor([0]), [prompt], StepSampling((None,), recycle_k=4),
+                              seed_positions=[list(range(8))])
+    assert out.seeds is not None and out.seeds[0].shape == (8, 4)
+    runner.free(0)
+    alone = runner.prefill_step(torch.tensor([0]), [prompt], StepSampling((None,), recycle_k=4))
+    assert torch.equal(out.seeds[0][-1], alone.last.top_k[0]) and torch.equal(out.last.top_k, alone.last.top_k)

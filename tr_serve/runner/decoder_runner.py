@@ -185,7 +185,7 @@ class DecoderRunner(StepRunner):
         greedy = not sampling.any_sampled
         rows_bucket, queries_bucket = bucket(b, self.num_rows), bucket(q, s)
         shape = StepShape(rows=rows_bucket, queries=queries_bucket, kv=bucket(int((self.lens[rows] + q).max()), s),
-                          picks=bucket(len(picks), rows_bucket * queries_bucket, MIN_PICKS),
+                          picks=bucket(len(picks), None, MIN_PICKS),  # a prefill's seeds repeat its last position
                           moves=bucket(len(self._moves), None, MIN_PICKS) if self._moves else 0,
                           k=sampling.recycle_k, causal=local is None, greedy=greedy)
         buffer = self._pack(shape, rows, tokens, depths, local, lengths, picks)
