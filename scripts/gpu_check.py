@@ -7,9 +7,9 @@
     python scripts/gpu_check.py --tiny --device cpu --tp 2   # adds the tensor-parallel part (needs ray)
 
 It needs torch and transformers (5.17 as on the GPU image, or the pinned 5.24+) plus this
-repository: no tokenizer, no GGUF, no hub (the engine's tokenizer is :class:`IdTokenizer`). On a
-CPU the runner is made to run transformers' own forward (``llama_body.use_transformers_forward``),
-the path every GPU takes, so ``--tiny --device cpu`` checks that path's code.
+repository: no tokenizer, no GGUF, no hub (the engine's tokenizer is :class:`IdTokenizer`). Every
+engine and the latency table run the compact decoder (``decoder: compact``, tr_serve/model/), the
+path every GPU takes, on any device, so ``--tiny --device cpu`` checks that path's code.
 
 Exit status 0 when every gating check passed, 1 when one failed, a section raised, or the time
 budget cut the run short. The JSON (``--json``) is rewritten after every section (and after every
@@ -35,7 +35,14 @@ efficient / cuDNN / math backends, or flex attention):
    In float32 every token must match (gating: a difference is reported with the reference's top-2
    logit gap there). In the check's dtype, when it is not float32 (bfloat16 on CUDA), the same
    comparisons are reported, not gated: near-ties under different GEMM shapes can flip there.
-4. ``tp`` (only with ``--tp N``): the same greedy requests through a ``TPModelRunner`` of N workers
+4. ``step_audit``: the compiled step (``compile: true``) of a small random Llama through the engine,
+   TR 2.2.2 greedy and sampled, run twice: the first pass warms every bucket it meets, the second
+   counts graph breaks, recompiles (a shape compiled again), new shapes (reported: buckets the
+   warm-up pass did not meet), and the copies the runner's calls make in each engine step to the
+   device and back (``.to(<device>)`` and ``.cpu()`` intercepted by a torch function mode; on a
+   CPU the runner lives on the stand-in device ``cpu:0`` so its copies are seen). Also the
+   report's top-level ``step_audit``.
+5. ``tp`` (only with ``--tp N``): the same greedy requests through a ``TPModelRunner`` of N workers
    (gloo on a CPU, NCCL on N GPUs) against the local runner, and the bytes each step moves between
    the replica and the workers. Absent where ray is not installed (the GPU image has none).
 
@@ -83,7 +90,7 @@ EARLIER_CPU_MAT = {"top2": 1.38, "top4": 1.53, "top8": 1.71, "2.2.2": 2.41}
 QUERY_TOKENS = (1, 2, 4, 8, 16, 32, 64, 128)
 CONTEXTS = (512, 2048)
 CONCURRENCY = (1, 8, 32)
-SECTIONS = ("latency", "engine", "losslessness", "tp")
+SECTIONS = ("latency", "engine", "losslessness", "step_audit", "tp")
 SAMPLED = dict(temperature=0.8, top_p=0.95, top_k=50)  # the sampled requests' settings (seeded per request)
 # the most the runner may return per verify step at Llama-3's vocabulary, 32 rows x 81 nodes (token
 # ids: 93 kB; full float32 logits were 1.33 GB)
@@ -389,14 +396,14 @@ class VerifyMeter:
 
 
 def make_engine(loaded, tree: str, rows: int, max_model_len: int, device: torch.device, dtype_name: str):
-    """An ``Engine`` over a local runner: ``budget: fixed`` (the whole template every step), torch's
-    own kernels, no matrix prior (nothing computed or cached beside the check)."""
+    """An ``Engine`` over a local runner of the compact decoder (the path GPUs run, eager): ``budget:
+    fixed`` (the whole template every step), no matrix prior (nothing computed or cached beside the check)."""
     from tr_serve.engine.config import EngineConfig
     from tr_serve.engine.engine import Engine
 
     cfg = EngineConfig(model=loaded.model_id, tree=tree, k=8, max_num_seqs=rows, max_model_len=max_model_len,
                        device=str(device), dtype=dtype_name, budget="fixed", cpu_kernels="torch",
-                       matrix_prior=False)
+                       matrix_prior=False, decoder="compact")
     return Engine(loaded, cfg)
 
 
@@ -515,11 +522,13 @@ def compare(reference: list[list[int]], other: list[list[int]], model=None, prom
 
 # ---- 1. latency table ----------------------------------------------------------------------------
 def latency_section(rep: Report, sec: dict, loaded, device: torch.device, args) -> None:
-    from tr_serve.runner.model_runner import ModelRunner
+    from tr_serve.model.decoder import from_hf
+    from tr_serve.runner.decoder_runner import DecoderRunner
 
     sec.update(model=_shape(loaded), repeats=args.repeats,
                statistic="median of timed verify calls (ms)", by_context={}, bytes_returned={}, kernels={})
-    runner = ModelRunner(loaded.model, 1, max(args.contexts) + max(args.query_tokens) + 8)
+    max_len = max(args.contexts) + max(args.query_tokens) + 8
+    runner = DecoderRunner(from_hf(loaded.model, max_positions=max_len), 1, max_len)
     row = torch.tensor([0])
     vocab = loaded.model.config.vocab_size
     gen = torch.Generator().manual_seed(0)
@@ -707,7 +716,110 @@ def losslessness_section(rep: Report, sec: dict, device: torch.device, dtype: to
         release(device)
 
 
-# ---- 4. tensor parallelism -----------------------------------------------------------------------
+# ---- 4. the compiled step's audit ----------------------------------------------------------------
+STEP_AUDIT_KEYS = ("graph_breaks", "recompiles_after_warmup", "new_shapes_after_warmup", "h2d_copies_per_step",
+                   "d2h_copies_per_step")
+
+
+class DeviceTransfers(torch.overrides.TorchFunctionMode):
+    """Counts, while active, copies to ``device`` (``.to`` naming it) and to the host (``.cpu()``,
+    or ``.to`` naming the host) of tensors, in the order made."""
+
+    def __init__(self, device: torch.device):
+        super().__init__()
+        self.device = device
+        self.to_device = self.to_host = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.Tensor.to:
+            targets = [torch.device(a) for a in (*args[1:], kwargs.get("device"))
+                       if isinstance(a, (str, torch.device))]
+            if any(t == self.device for t in targets):
+                self.to_device += 1
+            elif any(t.type == "cpu" and t != self.device for t in targets) and args[0].device == self.device:
+                self.to_host += 1
+        elif func is torch.Tensor.cpu:
+            self.to_host += 1
+        return func(*args, **kwargs)
+
+
+def step_audit_section(rep: Report, sec: dict, device: torch.device, dtype: torch.dtype, args) -> None:
+    """The compiled compact step through the engine, twice over the same requests (a warm-up pass,
+    then the counted one): 0 graph breaks, no shape compiled twice, one copy to the device and one
+    back per engine step."""
+    import torch._dynamo as dynamo
+    from torch._dynamo.utils import counters
+
+    from tr_serve.engine.config import EngineConfig
+    from tr_serve.engine.engine import Engine
+    from tr_serve.model.decoder import from_hf
+    from tr_serve.runner.decoder_runner import DecoderRunner
+    from tr_serve.runner.sync_audit import AUDIT_DEVICE
+
+    shape = dict(TINY if args.tiny else SMALL)
+    name = str(dtype).removeprefix("torch.")
+    loaded = random_llama(shape, dtype, device, seed=4, init_range=0.1)
+    runner_device = AUDIT_DEVICE if device.type == "cpu" else device  # a CPU's copies are seen on the stand-in
+    prompts = random_prompts(2, args.lossless_prompt_tokens, shape["vocab_size"], seed=5)
+    n = args.lossless_new_tokens
+    cfg = EngineConfig(model=loaded.model_id, tree="2.2.2", k=8, max_num_seqs=2 * len(prompts),
+                       max_model_len=args.lossless_prompt_tokens + n + 1, device=str(device), dtype=name,
+                       budget="fixed", matrix_prior=False, decoder="compact", compile=True)
+    dynamo.reset()
+    counters.clear()
+    t0 = time.perf_counter()
+    engine = Engine(loaded, cfg, runner=lambda max_len: DecoderRunner(
+        from_hf(loaded.model, max_positions=max_len), cfg.max_num_seqs, max_len, compile=True, device=runner_device))
+    runner = engine.runner
+    per_step: list[tuple[int, int]] = []
+    seen = [0, 0]  # copies to the device and back in the runner's calls of this engine step
+
+    def counted(call):  # the runner's own calls only: the engine's host tensors are no copies
+        def run(*a, **k):
+            with DeviceTransfers(runner_device) as transfers:
+                out = call(*a, **k)
+            seen[0] += transfers.to_device
+            seen[1] += transfers.to_host
+            return out
+        return run
+
+    runner.prefill_step, runner.verify_step = counted(runner.prefill_step), counted(runner.verify_step)
+
+    def serve() -> None:
+        for i, p in enumerate(prompts):
+            submit(engine, p, n, None)
+            submit(engine, p, n, 7 + i)
+        while engine.has_unfinished():
+            seen[:] = [0, 0]
+            engine.step()
+            per_step.append((seen[0], seen[1]))
+
+    serve()
+    warm_shapes, warm_graphs = len(runner._graphs), counters["stats"]["unique_graphs"]
+    sec["warmup_s"] = round(time.perf_counter() - t0, 2)
+    sec["shapes_warmed"] = warm_shapes
+    per_step.clear()
+    serve()
+    new_shapes = len(runner._graphs) - warm_shapes
+    sec.update(model=shape, tree="2.2.2", steps=len(per_step), graph_breaks=sum(counters["graph_break"].values()),
+               recompiles_after_warmup=counters["stats"]["unique_graphs"] - warm_graphs - new_shapes,
+               new_shapes_after_warmup=new_shapes,
+               h2d_copies_per_step=max(h for h, _ in per_step), d2h_copies_per_step=max(d for _, d in per_step),
+               copies_per_step_seen=sorted(set(per_step)))
+    rep.check(sec, "0 graph breaks", sec["graph_breaks"] == 0, sec["graph_breaks"])
+    rep.check(sec, "0 recompiles after warm-up", sec["recompiles_after_warmup"] == 0, sec["recompiles_after_warmup"])
+    rep.check(sec, "1 copy to the device and 1 back per step", set(per_step) == {(1, 1)}, sec["copies_per_step_seen"])
+    print(f"   {len(per_step)} steps: {sec['graph_breaks']} graph breaks, {sec['recompiles_after_warmup']} recompiles, "
+          f"{new_shapes} new shapes after warm-up ({warm_shapes} warmed in {sec['warmup_s']} s); copies per step "
+          f"{sec['copies_per_step_seen']}", flush=True)
+    runner.__dict__.pop("prefill_step")
+    runner.__dict__.pop("verify_step")
+    del engine, runner, loaded
+    release(device)
+
+
+# ---- 5. tensor parallelism -----------------------------------------------------------------------
 def tp_section(rep: Report, sec: dict, device: torch.device, dtype: torch.dtype, args) -> None:
     """The same greedy requests through the local runner and a ``TPModelRunner``: tokens (a
     difference only at a near-tie of the unsharded model: the shards sum in another order) and the
@@ -807,7 +919,7 @@ def environment(device: torch.device, dtype: torch.dtype, args) -> dict:
            "attention_guard": list(FUSED_SDPA) if args.attention_guard else None,
            "ray": importlib.util.find_spec("ray") is not None,
            "flex_attention": importlib.util.find_spec("torch.nn.attention.flex_attention") is not None,
-           "runner_forward": "transformers (forced on CPU, as on GPUs)" if device.type == "cpu" else "runner's choice",
+           "runner_forward": "compact decoder (as on GPUs)",
            "time_budget_s": args.time_budget_s}
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(device)
@@ -859,6 +971,9 @@ def _run(args, device: torch.device) -> dict:
     release(device)
     if "losslessness" in args.sections:
         rep.run_section("losslessness", lambda sec: losslessness_section(rep, sec, device, dtype, args))
+    if "step_audit" in args.sections:
+        audit = rep.run_section("step_audit", lambda sec: step_audit_section(rep, sec, device, dtype, args))
+        rep.data["step_audit"] = {k: audit.get(k) for k in STEP_AUDIT_KEYS}
     if "tp" in args.sections:
         if args.tp < 2:
             rep.skip("tp", "no --tp N (N >= 2) given")

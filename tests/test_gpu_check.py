@@ -42,9 +42,9 @@ def test_tiny_cpu_run_passes_and_reports_every_section(gpu_check, tmp_path):
                            "--json", str(out)])
     result = json.loads(out.read_text())
     assert code == 0 and result["passed"] and result["failures"] == []
-    assert result["env"]["runner_forward"].startswith("transformers")  # the path GPUs take
+    assert result["env"]["runner_forward"].startswith("compact")  # the path GPUs take
     sections = _sections(result)
-    assert [s["status"] for s in sections.values()] == ["passed", "passed", "passed", "skipped"]
+    assert [s["status"] for s in sections.values()] == ["passed", "passed", "passed", "passed", "skipped"]
     assert all(c["passed"] for s in sections.values() for c in s.get("checks", []) if c["gating"])
 
     latency = sections["latency"]
@@ -84,19 +84,23 @@ def test_tiny_cpu_run_passes_and_reports_every_section(gpu_check, tmp_path):
             assert report["trees"][tree][key] == {"differing": 0, "outputs": 4, "first_positions": [],
                                                   "tokens_compared": n}
     assert sections["tp"]["reason"].startswith("no --tp")
+    audit = result["step_audit"]  # the compiled step, counted on the stand-in device
+    assert audit == {"graph_breaks": 0, "recompiles_after_warmup": 0, "h2d_copies_per_step": 1,
+                     "d2h_copies_per_step": 1, "new_shapes_after_warmup": audit["new_shapes_after_warmup"]}
+    assert sections["step_audit"]["steps"] > 0 and sections["step_audit"]["shapes_warmed"] > 0
 
 
 def test_a_broken_tree_mask_fails_the_check(gpu_check, tmp_path, monkeypatch):
     """Tree nodes that see every node (siblings, descendants): TR's tokens part from plain
     decoding's, greedy and sampled, and the run fails; plain decoding itself still equals generate."""
-    from tr_serve.runner.model_runner import ModelRunner
+    from tr_serve.runner.decoder_runner import DecoderRunner
 
-    verify = ModelRunner.verify
+    verify = DecoderRunner.verify_step
 
-    def sees_everything(self, rows, tokens, depths, tree_mask, lengths=None):
-        return verify(self, rows, tokens, depths, torch.ones_like(tree_mask), lengths)
+    def sees_everything(self, rows, tokens, depths, tree_mask, lengths, sampling):
+        return verify(self, rows, tokens, depths, torch.ones_like(tree_mask), lengths, sampling)
 
-    monkeypatch.setattr(ModelRunner, "verify", sees_everything)
+    monkeypatch.setattr(DecoderRunner, "verify_step", sees_everything)
     out = tmp_path / "broken.json"
     assert gpu_check.main(["--tiny", "--device", "cpu", "--sections", "losslessness", "--trees", "top4",
                            "--json", str(out)]) == 1
