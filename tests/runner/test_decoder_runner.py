@@ -10,7 +10,7 @@ from tiny_model import tiny_loaded
 from tr_serve.engine.config import EngineConfig
 from tr_serve.engine.engine import Engine
 from tr_serve.engine.prompt import encode_prompt
-from tr_serve.runner.decoder_runner import DecoderRunner, bucket
+from tr_serve.runner.decoder_runner import DecoderRunner, bucket, token_bucket
 from tr_serve.runner.sync_audit import AUDIT_DEVICE
 from tr_serve.sampling_params import SamplingParams
 
@@ -38,6 +38,8 @@ def _outputs(loaded, n: int = 40, **kw) -> dict[str, list[int]]:
 
 def test_bucket_example():
     assert bucket(5, 64) == 8 and bucket(33, 40) == 40 and bucket(0, 64, 8) == 8 and bucket(1, 1) == 1
+    assert [token_bucket(n, None) for n in (1, 2, 3, 4, 5, 7, 9, 13, 81, 97)] == [1, 2, 3, 4, 6, 8, 12, 16, 96, 128]
+    assert token_bucket(81, 90) == 90 and token_bucket(0, None, 8) == 8
     with pytest.raises(ValueError):
         bucket(9, 8)
 

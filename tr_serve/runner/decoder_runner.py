@@ -41,6 +41,20 @@ def bucket(n: int, cap: int | None, least: int = 1) -> int:
     return size if cap is None else min(cap, size)
 
 
+def token_bucket(n: int, cap: int | None, least: int = 1) -> int:
+    """The smallest power of two or 1.5 times one >= max(n, least), at most ``cap``: the buckets
+    of a step's token dimensions (query tokens, picked outputs), where a graph's padding is
+    computed through every layer, so a third at most is padding, not half.
+
+    Example: token_bucket(81, 1024) -> 96 (the 2.2.2 tree and its root); token_bucket(5, 64) -> 6;
+    token_bucket(64, 64) -> 64; token_bucket(0, None, 8) -> 8."""
+    if cap is not None and n > cap:
+        raise ValueError(f"{n} exceeds its bucket cap {cap}")
+    power = bucket(n, None, least)
+    size = power * 3 // 4 if power >= 4 and power * 3 // 4 >= max(n, least) else power
+    return size if cap is None else min(cap, size)
+
+
 @dataclass(frozen=True)
 class StepShape:
     """One graph's static shape: R rows of Q query tokens reading KV slots each, P picked outputs,
@@ -183,9 +197,9 @@ class DecoderRunner(StepRunner):
         b, q = tokens.shape
         s = self.max_len
         greedy = not sampling.any_sampled
-        rows_bucket, queries_bucket = bucket(b, self.num_rows), bucket(q, s)
+        rows_bucket, queries_bucket = bucket(b, self.num_rows), token_bucket(q, s)
         shape = StepShape(rows=rows_bucket, queries=queries_bucket, kv=bucket(int((self.lens[rows] + q).max()), s),
-                          picks=bucket(len(picks), None, MIN_PICKS),  # a prefill's seeds repeat its last position
+                          picks=token_bucket(len(picks), None, MIN_PICKS),  # a prefill's seeds repeat its last position
                           moves=bucket(len(self._moves), None, MIN_PICKS) if self._moves else 0,
                           k=sampling.recycle_k, causal=local is None, greedy=greedy)
         buffer = self._pack(shape, rows, tokens, depths, local, lengths, picks)
