@@ -183,3 +183,50 @@ def test_repeated_kv_heads_attend_as_grouped_query_attention():
     assert repeated[0].shape == (2, 3, 4, 8)
     assert kv_heads_for_sdpa(k, v, 4, masked_gqa=True)[0] is k
     assert torch.allclose(attend(*repeated), attend(k, v), atol=1e-6)
+
+
+def test_tensor_parallel_shards_sum_to_the_whole_models_step():
+    """Two ranks' shards (tp/shard.py, with output and MLP biases: rank 0 keeps the row-parallel
+    ones) as compact decoders: each rank's reduce adds the other rank's partial result, computed
+    beside it, so both ranks give the unsharded model's logits."""
+    import copy
+
+    from tr_serve.tp.shard import shard_model
+
+    model = _model("llama-tied-biases")
+    ranks = [shard_model(copy.deepcopy(model), r, 2, reduce=False) for r in range(2)]
+    decs = [from_hf(m, max_positions=128) for m in ranks]
+    assert torch.count_nonzero(decs[1].layers[0].o.bias) == 0 and torch.count_nonzero(decs[0].layers[0].o.bias) > 0
+    prompt = torch.randint(0, 300, (12,), generator=torch.Generator().manual_seed(2)).tolist()
+    q = len(prompt)
+    args = (torch.tensor([prompt]), torch.arange(q)[None], torch.arange(q)[None], torch.arange(32)[None],
+            torch.tensor([0]), torch.ones(q, q, dtype=torch.bool).tril()[None])
+    # run both ranks layer by layer in lockstep: each "all-reduce" waits for the other rank's part
+    import threading
+
+    barrier, parts = threading.Barrier(2), [None, None]
+
+    def reduce_of(rank):
+        def reduce(partial):
+            parts[rank] = partial.clone()
+            barrier.wait()
+            total = parts[0] + parts[1]
+            barrier.wait()
+            return total
+        return reduce
+
+    out = [None, None]
+
+    def run(rank):
+        decs[rank].reduce = reduce_of(rank)
+        k, v = decs[rank].new_cache(slots=32)
+        out[rank] = decs[rank].step(*args, k, v)
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    ref = _reference(model, prompt)
+    for rank in range(2):
+        assert torch.allclose(_logits(decs[rank], out[rank])[0], ref, atol=1e-4, rtol=1e-4)

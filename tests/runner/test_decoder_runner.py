@@ -153,3 +153,15 @@ def test_a_prefill_seeding_every_position_picks_more_outputs_than_its_bucket_hol
     runner.free(0)
     alone = runner.prefill_step(torch.tensor([0]), [prompt], StepSampling((None,), recycle_k=4))
     assert torch.equal(out.seeds[0][-1], alone.last.top_k[0]) and torch.equal(out.last.top_k, alone.last.top_k)
+
+
+def test_a_tensor_parallel_shard_is_refused_compile(tokenizer):
+    """The ranks' compact decoder runs eagerly: compile on a shard is an error, not a silent eager run."""
+    from tr_serve.runner.factory import local_runner
+    from tr_serve.tp.shard import shard_model
+
+    loaded = tiny_loaded(tokenizer)
+    shard = shard_model(loaded.model, 0, 2, reduce=False)
+    with pytest.raises(ValueError, match="tensor parallelism"):
+        local_runner(shard, 64, 2, decoder="compact", compile=True)
+    assert isinstance(local_runner(shard, 64, 2, decoder="compact"), DecoderRunner)

@@ -27,12 +27,13 @@ def test_yaml_is_a_valid_serve_config_and_tr_config(name):
     TRServeConfig.from_args(app.args)  # raises on an unknown key or a bad value
 
 
-def test_the_compact_decoder_settings_are_refused_under_tensor_parallelism_and_checked_alone():
+def test_compile_is_refused_under_tensor_parallelism_and_the_decoder_settings_checked_alone():
     args = yaml.safe_load((CONFIGS / "llama70b.yaml").read_text())["applications"][0]["args"]
-    for extra in ({"decoder": "compact"}, {"compile": True}):
-        bad = {**args, "engine_kwargs": {**args["engine_kwargs"], **extra}}
-        with pytest.raises((ConfigError, ValidationError), match="tensor_parallel_size"):
-            TRServeConfig.from_args(bad)
+    compact = TRServeConfig.from_args({**args, "engine_kwargs": {**args["engine_kwargs"], "decoder": "compact"}})
+    assert compact.engine_kwargs.decoder == "compact" and compact.tensor_parallel_size == 8
+    bad = {**args, "engine_kwargs": {**args["engine_kwargs"], "compile": True}}
+    with pytest.raises((ConfigError, ValidationError), match="tensor_parallel_size"):
+        TRServeConfig.from_args(bad)
     for bad_kwargs in ({"decoder": "fast"}, {"decoder": "transformers", "compile": True}):
         with pytest.raises((ConfigError, ValidationError), match="decoder"):
             TRServeConfig.from_args({"engine_kwargs": bad_kwargs})

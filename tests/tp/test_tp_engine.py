@@ -111,3 +111,38 @@ def test_smollm2_tp3_matches_single_process(ray_tp, loaded):
     for i, (p, g, w) in enumerate(zip(prompts, got, want)):
         assert len(g) == len(w) == 32
         assert_same_or_near_tie(loaded.model, p, g, w, f"dev question {i}")
+
+
+@pytest.mark.parametrize("tree", ["none", "2.2.2"])
+def test_the_compact_decoder_over_two_ranks_decodes_as_one_process(ray_tp, tokenizer, tree):
+    """decoder: compact on every rank of a 2-way split (its heads, kv heads and MLP slice fused,
+    2 all-reduces a layer over gloo): the single-process compact engine's tokens, greedy and
+    seeded sampled, and plain decoding's under TR."""
+    from tr_serve.runner.decoder_runner import DecoderRunner
+    from tr_serve.tp.runner import tp_engine
+
+    loaded = tiny(tokenizer, f"tiny-tp-compact-{tree}")
+    config = EngineConfig(tree=tree, max_num_seqs=4, max_model_len=512, budget="fixed", decoder="compact")
+    sampled = {"s": SamplingParams(max_tokens=24, temperature=0.8, top_p=0.95, seed=3, ignore_eos=True)}
+    alone = Engine(copy.deepcopy(loaded), config)
+    assert isinstance(alone.runner, DecoderRunner)
+    want, want_done, _ = run(alone, PROMPTS, 24, extra=sampled)
+    plain, _, _ = run(Engine(copy.deepcopy(loaded), EngineConfig(tree="none", max_num_seqs=4, max_model_len=512,
+                                                                 decoder="compact")), PROMPTS, 24)
+    engine = tp_engine(loaded, config, 2, cpu_threads=1)
+    try:
+        import ray
+
+        ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+        assert ray.get([w.call.remote(_runner_type) for w in engine.runner.workers]) == ["DecoderRunner"] * 2
+        got, done, _ = run(engine, PROMPTS, 24, extra=sampled)
+        for i, prompt in enumerate(PROMPTS):
+            assert_same_or_near_tie(loaded.model, prompt, got[i], want[i], f"prompt {i}")
+        assert_same_or_near_tie(loaded.model, PROMPTS[0], done["s"], want_done["s"], "sampled")
+        assert want == plain
+    finally:
+        engine.runner.shutdown()
+
+
+def _runner_type(worker) -> str:
+    return type(worker.runner).__name__

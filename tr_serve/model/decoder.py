@@ -18,6 +18,7 @@ cache).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -140,17 +141,22 @@ def attention_inputs(x: torch.Tensor, qkv_w: torch.Tensor, qkv_b: torch.Tensor |
 def attention_and_mlp(xq: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
                       residual: torch.Tensor, o_w: torch.Tensor, o_b: torch.Tensor | None, post_norm: torch.Tensor,
                       gate_up_w: torch.Tensor, gate_up_b: torch.Tensor | None, down_w: torch.Tensor,
-                      down_b: torch.Tensor | None, next_norm: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+                      down_b: torch.Tensor | None, next_norm: torch.Tensor, eps: float,
+                      reduce: Callable[[torch.Tensor], torch.Tensor] | None) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of xq [R, Q, heads, D] over keys/values [R, KV, kv_heads, D] under ``mask``
     [R, 1, Q, KV], the output matmul, the MLP (one gate/up matmul), each added to ``residual``
-    [R, Q, hidden]; returns the residual and its norm under ``next_norm`` (the next layer's input)."""
+    [R, Q, hidden]; returns the residual and its norm under ``next_norm`` (the next layer's input).
+    ``reduce``: under tensor parallelism, the sum over the ranks of the output and down matmuls'
+    partial results (row-parallel layers), else None."""
     r, q, heads, d = xq.shape
     keys, values = kv_heads_for_sdpa(keys, values, heads, masked_gqa=keys.device.type == "cpu")
     out = F.scaled_dot_product_attention(xq.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2),
                                          attn_mask=mask, scale=d ** -0.5, enable_gqa=heads != keys.shape[2])
-    residual = residual + F.linear(out.transpose(1, 2).reshape(r, q, heads * d), o_w, o_b)
+    attended = F.linear(out.transpose(1, 2).reshape(r, q, heads * d), o_w, o_b)
+    residual = residual + (attended if reduce is None else reduce(attended))
     gate, up = F.linear(rms_norm(residual, post_norm, eps), gate_up_w, gate_up_b).chunk(2, dim=-1)
-    residual = residual + F.linear(F.silu(gate) * up, down_w, down_b)
+    down = F.linear(F.silu(gate) * up, down_w, down_b)
+    residual = residual + (down if reduce is None else reduce(down))
     return residual, rms_norm(residual, next_norm, eps)
 
 
@@ -158,8 +164,12 @@ class CompactDecoder(torch.nn.Module):
     """A Llama-family model in fused layouts; :meth:`step` is the whole forward of one step."""
 
     def __init__(self, shape: DecoderShape, features: FamilyFeatures, inv_freq: torch.Tensor,
-                 rope_scaling: float, max_positions: int):
+                 rope_scaling: float, max_positions: int,
+                 reduce: Callable[[torch.Tensor], torch.Tensor] | None = None):
         super().__init__()
+        # a tensor-parallel rank's sum over the ranks of its row-parallel partial results (its
+        # heads' output matmul, its MLP slice's down matmul): 2 all-reduces a layer; None alone
+        self.reduce = reduce
         self.shape, self.features = shape, features
         self.embed = torch.nn.Embedding(shape.vocab, shape.hidden)
         self.layers = torch.nn.ModuleList(CompactLayer(shape, features, w) for w in features.windows)
@@ -216,7 +226,7 @@ class CompactDecoder(torch.nn.Module):
             residual, x = attention_and_mlp(xq, k_cache[i][read_slots], v_cache[i][read_slots], mask_of[layer.window],
                                             residual, layer.o.weight, layer.o.bias, layer.post_norm,
                                             layer.gate_up.weight, layer.gate_up.bias, layer.down.weight,
-                                            layer.down.bias, nxt, s.eps)
+                                            layer.down.bias, nxt, s.eps, self.reduce)
         return x
 
     def step_ids(self, tokens: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
@@ -241,10 +251,15 @@ class CompactDecoder(torch.nn.Module):
         return torch.cat((best, logits.topk(top_k, dim=-1).indices), dim=-1).to(torch.int32)
 
 
-def from_hf(model: torch.nn.Module, max_positions: int) -> CompactDecoder:
+def from_hf(model: torch.nn.Module, max_positions: int,
+            reduce: Callable[[torch.Tensor], torch.Tensor] | None = None) -> CompactDecoder:
     """A :class:`CompactDecoder` with the weights of ``model`` (a transformers ``*ForCausalLM`` of
     a supported family) copied into fused layouts, on its device and in its dtype; a ValueError
-    for anything the decoder would not compute as transformers does."""
+    for anything the decoder would not compute as transformers does.
+
+    A tensor-parallel rank's shard (tr_serve/tp/shard.py: its heads, kv heads and MLP slice, its
+    config rewritten to them) becomes that rank's decoder; ``reduce`` sums the row-parallel partial
+    results over the ranks. A row-parallel bias lives on rank 0 only: the others add zeros."""
     cfg = model.config
     features = features_of(cfg)
     heads, kv_heads, head_dim = attention_shape(cfg)
@@ -253,7 +268,9 @@ def from_hf(model: torch.nn.Module, max_positions: int) -> CompactDecoder:
     inner = model.model
     rotary = inner.rotary_emb
     weight = inner.embed_tokens.weight
-    dec = CompactDecoder(shape, features, rotary.inv_freq.detach().cpu(), float(rotary.attention_scaling), max_positions)
+    dec = CompactDecoder(shape, features, rotary.inv_freq.detach().cpu(), float(rotary.attention_scaling), max_positions,
+                         reduce)
+    row_parallel_bias_elsewhere = getattr(cfg, "tp_rank", 0) > 0  # rank 0 adds the output and down biases
     dec.to(device=weight.device, dtype=weight.dtype)
     if weight.device.type != "cpu":
         dec.cos, dec.sin = dec.cos.to(weight.device), dec.sin.to(weight.device)
@@ -267,7 +284,7 @@ def from_hf(model: torch.nn.Module, max_positions: int) -> CompactDecoder:
         for mine, theirs in zip(dec.layers, inner.layers):
             att, mlp = theirs.self_attn, theirs.mlp
             _check_bias(att.q_proj, features.qkv_bias, "q_proj")
-            _check_bias(att.o_proj, features.o_bias, "o_proj")
+            _check_bias(att.o_proj, features.o_bias, "o_proj", absent_ok=row_parallel_bias_elsewhere)
             _check_bias(mlp.gate_proj, features.mlp_bias, "gate_proj")
             if hasattr(att, "q_norm") != features.qk_norm:
                 raise ValueError(f"{features.model_type}: q/k norms {'missing' if features.qk_norm else 'not declared'}")
@@ -278,7 +295,7 @@ def from_hf(model: torch.nn.Module, max_positions: int) -> CompactDecoder:
                 mine.qkv.bias.copy_(torch.cat([att.q_proj.bias, att.k_proj.bias, att.v_proj.bias]))
             mine.o.weight.copy_(att.o_proj.weight)
             if features.o_bias:
-                mine.o.bias.copy_(att.o_proj.bias)
+                _copy_or_zero(mine.o.bias, att.o_proj.bias)
             if features.qk_norm:
                 mine.q_norm.copy_(att.q_norm.weight)
                 mine.k_norm.copy_(att.k_norm.weight)
@@ -286,10 +303,18 @@ def from_hf(model: torch.nn.Module, max_positions: int) -> CompactDecoder:
             mine.down.weight.copy_(mlp.down_proj.weight)
             if features.mlp_bias:
                 mine.gate_up.bias.copy_(torch.cat([mlp.gate_proj.bias, mlp.up_proj.bias]))
-                mine.down.bias.copy_(mlp.down_proj.bias)
+                _copy_or_zero(mine.down.bias, mlp.down_proj.bias)
     return dec.eval().requires_grad_(False)
 
 
-def _check_bias(linear: torch.nn.Linear, declared: bool, name: str) -> None:
-    if (linear.bias is not None) != declared:
+def _copy_or_zero(mine: torch.Tensor, theirs: torch.Tensor | None) -> None:
+    """A row-parallel bias: a tensor-parallel rank other than 0 has none and adds zeros."""
+    if theirs is None:
+        mine.zero_()
+    else:
+        mine.copy_(theirs)
+
+
+def _check_bias(linear: torch.nn.Linear, declared: bool, name: str, absent_ok: bool = False) -> None:
+    if (linear.bias is not None) != declared and not (declared and absent_ok):
         raise ValueError(f"{name}: a bias {'declared but absent' if declared else 'present but not declared'}")

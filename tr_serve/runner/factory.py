@@ -25,19 +25,31 @@ def local_runner(model: torch.nn.Module, max_len: int, max_rows: int, kv_cache_m
     results nobody reads. ``audit``: the runner lives on the sync audit's stand-in accelerator and
     its cache is made there (runner/sync_audit.py). ``decoder``: "compact" runs tr_serve's own
     decoder (runner/decoder_runner.py, ``compile`` its graphs), "transformers" the model's layers,
-    "auto" compact on CUDA where it serves the model's family, transformers elsewhere."""
+    "auto" compact on CUDA where it serves the model's family, transformers elsewhere; on a
+    tensor-parallel rank's shard the compact decoder all-reduces its row-parallel results."""
     dtype = next(model.parameters()).dtype
     num_rows = rows_within_budget(model.config, max_len, dtype, max_rows, kv_cache_memory_gb)
     device = next(model.parameters()).device
     if decoder == "compact" or (decoder == "auto" and device.type == "cuda" and _compact_serves(model)):
+        tensor_parallel = getattr(model.config, "tp_world_size", 1) > 1  # a rank's shard (tp/shard.py)
+        if tensor_parallel and compile:
+            raise ValueError("compile is not supported under tensor parallelism yet: the ranks' compact decoder runs eagerly")
         with audit if audit is not None else contextlib.nullcontext():
-            compact = from_hf(model, max_positions=max_len)
+            compact = from_hf(model, max_positions=max_len, reduce=all_reduce_sum if tensor_parallel else None)
             return DecoderRunner(compact, num_rows, max_len, compile=compile,
                                  device=AUDIT_DEVICE if audit is not None else None, emits=emits)
     plan = select_plan(model) if cpu_kernels == "auto" else None  # None unless fp32 on CPU
     with audit if audit is not None else contextlib.nullcontext():
         return ModelRunner(model, num_rows, max_len, kernel_plan=plan, tree_attention_enabled=cpu_kernels == "auto",
                            device=AUDIT_DEVICE if audit is not None else None, emits=emits)
+
+
+def all_reduce_sum(partial: torch.Tensor) -> torch.Tensor:
+    """The sum over the default process group's ranks of a row-parallel layer's partial result."""
+    import torch.distributed as dist
+
+    dist.all_reduce(partial, op=dist.ReduceOp.SUM)
+    return partial
 
 
 def _compact_serves(model: torch.nn.Module) -> bool:

@@ -210,9 +210,9 @@ class TRServeConfig(BaseModel):
         if self.placement_group_strategy is not None and self.placement_group_bundles is None:
             raise ValueError("placement_group_strategy needs placement_group_bundles")
         tp, bundles = self.tensor_parallel_size, self.placement_group_bundles
-        if tp > 1 and (self.engine_kwargs.decoder == "compact" or self.engine_kwargs.compile):
-            raise ValueError(f"tensor_parallel_size={tp} runs the model's own layers on every rank: engine_kwargs "
-                             "decoder 'compact' and compile do not apply there yet (leave decoder 'auto')")
+        if tp > 1 and self.engine_kwargs.compile:
+            raise ValueError(f"tensor_parallel_size={tp}: the ranks' compact decoder runs eagerly, engine_kwargs "
+                             "compile is not supported under tensor parallelism yet")
         if tp > 1 and bundles is not None and len(bundles) < tp:
             raise ValueError(f"tensor_parallel_size={tp} needs at least {tp} placement_group_bundles (one per "
                              f"worker, plus one first for the replica), got {len(bundles)}")

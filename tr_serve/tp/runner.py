@@ -225,7 +225,7 @@ class TPModelRunner(StepRunner):
         c = self.config
         work = startup_work.current()  # a deferring start-up: the ranks measure an uncached plan after ready
         replies = self._gather([w.allocate.remote(max_len, c.max_num_seqs, c.kv_cache_memory_gb, c.cpu_kernels,
-                                                  self.sync_audit, work is not None) for w in self.workers],
+                                                  self.sync_audit, work is not None, c.decoder) for w in self.workers],
                                self.init_timeout_s, "start-up")
         rows = {r["num_rows"] for r in replies}
         if len(rows) != 1:

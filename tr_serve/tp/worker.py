@@ -172,13 +172,13 @@ class TPWorker:
         return self.loaded.tokenizer
 
     def allocate(self, max_len: int, max_rows: int, kv_cache_memory_gb: float | None, cpu_kernels: str,
-                 sync_audit: bool = False, defer: bool = False) -> dict:
+                 sync_audit: bool = False, defer: bool = False, decoder: str = "transformers") -> dict:
         """This rank's ``ModelRunner`` (runner/factory.py, as the engine builds its own): its
         KV-cache shard of ``num_rows`` rows of ``max_len`` tokens, for this rank's kv heads.
         ``sync_audit``: run on the sync audit's stand-in accelerator and count, per :meth:`run`,
         what would wait for the device (runner/sync_audit.py; tests). ``defer``: a kernel plan that
         is not cached is measured after the replica is ready (:meth:`advance_startup`), torch's
-        kernels until then (runner/startup_work.py)."""
+        kernels until then (runner/startup_work.py). ``decoder``: the engine's setting (runner/factory.py)."""
         from tr_serve.runner.calibration import device_name
         from tr_serve.runner.factory import local_runner
         from tr_serve.runner.startup_work import deferring
@@ -187,7 +187,7 @@ class TPWorker:
         self.audit = SyncAudit() if sync_audit else None
         with deferring(self.startup) if defer else contextlib.nullcontext():
             self.runner = local_runner(self.loaded.model, max_len, max_rows, kv_cache_memory_gb, cpu_kernels,
-                                       emits=self.rank == 0, audit=self.audit)
+                                       emits=self.rank == 0, audit=self.audit, decoder=decoder)
         return {"num_rows": self.runner.num_rows, "kernel_plan": repr(self.runner.kernel_plan),
                 "device_name": device_name(self.runner.device), "startup_pending": self.startup.pending}
 
@@ -232,7 +232,7 @@ class TPWorker:
 
     def lengths(self) -> list[int]:
         """This rank's KV-cache lengths (tests: every rank agrees with the driver's mirror)."""
-        return self.runner.cache.lens.tolist()
+        return [self.runner.length(row) for row in range(self.runner.num_rows)]
 
     def call(self, fn: Callable[[Any], Any]):
         """``fn(worker)`` on this rank (tests, debugging)."""
