@@ -230,3 +230,25 @@ def test_tensor_parallel_shards_sum_to_the_whole_models_step():
     ref = _reference(model, prompt)
     for rank in range(2):
         assert torch.allclose(_logits(decs[rank], out[rank])[0], ref, atol=1e-4, rtol=1e-4)
+
+
+def _storage_bytes(*modules: torch.nn.Module) -> int:
+    """Bytes of the distinct storages behind the parameters of ``modules``."""
+    seen = {}
+    for m in modules:
+        for p in m.parameters():
+            s = p.untyped_storage()
+            seen[s.data_ptr()] = s.nbytes()
+    return sum(seen.values())
+
+
+@pytest.mark.parametrize("name", ["llama-tied-biases", "qwen3"])
+def test_the_decoder_holds_no_weight_twice_and_the_model_still_runs(name):
+    model = _model(name)
+    before = _storage_bytes(model)
+    prompt = [3, 14, 15, 92, 65]
+    want = _reference(model, prompt)
+    dec = from_hf(model, max_positions=64)
+    assert _storage_bytes(model, dec) == before  # the fused matrices replaced the model's projections
+    assert torch.equal(_reference(model, prompt), want)  # its projections are views of the fused ones
+    assert dec.layers[0].qkv.weight.data_ptr() == model.model.layers[0].self_attn.q_proj.weight.data_ptr()

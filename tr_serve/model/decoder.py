@@ -178,7 +178,7 @@ class CompactDecoder(torch.nn.Module):
         # [max_positions, head_dim] float32 on the host: not buffers, so that casting the module keeps
         # them float32 (transformers computes them in float32 per forward); from_hf places them
         self.rope = (inv_freq, rope_scaling, max_positions)
-        self.cos, self.sin = rope_table(inv_freq, rope_scaling, max_positions)
+        self.cos, self.sin = rope_table(inv_freq, rope_scaling, max_positions, inv_freq.device)
 
     @property
     def head_weight(self) -> torch.Tensor:
@@ -253,9 +253,13 @@ class CompactDecoder(torch.nn.Module):
 
 def from_hf(model: torch.nn.Module, max_positions: int,
             reduce: Callable[[torch.Tensor], torch.Tensor] | None = None) -> CompactDecoder:
-    """A :class:`CompactDecoder` with the weights of ``model`` (a transformers ``*ForCausalLM`` of
-    a supported family) copied into fused layouts, on its device and in its dtype; a ValueError
-    for anything the decoder would not compute as transformers does.
+    """A :class:`CompactDecoder` over the weights of ``model`` (a transformers ``*ForCausalLM`` of
+    a supported family), on its device and in its dtype; a ValueError for anything the decoder
+    would not compute as transformers does.
+
+    No weight is held twice: the decoder shares the model's tensors, and the fused QKV and gate/up
+    matrices replace the model's projections, which become views of them (the model still runs,
+    e.g. as a reference or for the matrix prior), so the step's memory is the model's.
 
     A tensor-parallel rank's shard (tr_serve/tp/shard.py: its heads, kv heads and MLP slice, its
     config rewritten to them) becomes that rank's decoder; ``reduce`` sums the row-parallel partial
@@ -268,19 +272,18 @@ def from_hf(model: torch.nn.Module, max_positions: int,
     inner = model.model
     rotary = inner.rotary_emb
     weight = inner.embed_tokens.weight
-    dec = CompactDecoder(shape, features, rotary.inv_freq.detach().cpu(), float(rotary.attention_scaling), max_positions,
-                         reduce)
+    with torch.device("meta"):  # a skeleton: every tensor below is the model's
+        dec = CompactDecoder(shape, features, rotary.inv_freq.detach().cpu(), float(rotary.attention_scaling),
+                             max_positions, reduce)
+    dec.cos, dec.sin = dec.cos.to(weight.device), dec.sin.to(weight.device)
     row_parallel_bias_elsewhere = getattr(cfg, "tp_rank", 0) > 0  # rank 0 adds the output and down biases
-    dec.to(device=weight.device, dtype=weight.dtype)
-    if weight.device.type != "cpu":
-        dec.cos, dec.sin = dec.cos.to(weight.device), dec.sin.to(weight.device)
     with torch.no_grad():
-        dec.embed.weight.copy_(weight)
+        dec.embed.weight = weight
         if dec.lm_head is not None:
-            dec.lm_head.weight.copy_(model.lm_head.weight)
+            dec.lm_head.weight = model.lm_head.weight
         elif model.lm_head.weight.data_ptr() != weight.data_ptr() and not torch.equal(model.lm_head.weight, weight):
             raise ValueError(f"{features.model_type}: tie_word_embeddings is set but the LM head differs from the embedding")
-        dec.norm.copy_(inner.norm.weight)
+        dec.norm = inner.norm.weight
         for mine, theirs in zip(dec.layers, inner.layers):
             att, mlp = theirs.self_attn, theirs.mlp
             _check_bias(att.q_proj, features.qkv_bias, "q_proj")
@@ -288,31 +291,41 @@ def from_hf(model: torch.nn.Module, max_positions: int,
             _check_bias(mlp.gate_proj, features.mlp_bias, "gate_proj")
             if hasattr(att, "q_norm") != features.qk_norm:
                 raise ValueError(f"{features.model_type}: q/k norms {'missing' if features.qk_norm else 'not declared'}")
-            mine.input_norm.copy_(theirs.input_layernorm.weight)
-            mine.post_norm.copy_(theirs.post_attention_layernorm.weight)
-            mine.qkv.weight.copy_(torch.cat([att.q_proj.weight, att.k_proj.weight, att.v_proj.weight]))
-            if features.qkv_bias:
-                mine.qkv.bias.copy_(torch.cat([att.q_proj.bias, att.k_proj.bias, att.v_proj.bias]))
-            mine.o.weight.copy_(att.o_proj.weight)
-            if features.o_bias:
-                _copy_or_zero(mine.o.bias, att.o_proj.bias)
+            mine.input_norm = theirs.input_layernorm.weight
+            mine.post_norm = theirs.post_attention_layernorm.weight
+            mine.qkv.weight = _fused([att.q_proj, att.k_proj, att.v_proj], "weight")
+            mine.qkv.bias = _fused([att.q_proj, att.k_proj, att.v_proj], "bias") if features.qkv_bias else None
+            mine.o.weight = att.o_proj.weight
+            mine.o.bias = _bias_or_zeros(att.o_proj, mine.o.out_features, weight) if features.o_bias else None
             if features.qk_norm:
-                mine.q_norm.copy_(att.q_norm.weight)
-                mine.k_norm.copy_(att.k_norm.weight)
-            mine.gate_up.weight.copy_(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]))
-            mine.down.weight.copy_(mlp.down_proj.weight)
-            if features.mlp_bias:
-                mine.gate_up.bias.copy_(torch.cat([mlp.gate_proj.bias, mlp.up_proj.bias]))
-                _copy_or_zero(mine.down.bias, mlp.down_proj.bias)
+                mine.q_norm, mine.k_norm = att.q_norm.weight, att.k_norm.weight
+            mine.gate_up.weight = _fused([mlp.gate_proj, mlp.up_proj], "weight")
+            mine.gate_up.bias = _fused([mlp.gate_proj, mlp.up_proj], "bias") if features.mlp_bias else None
+            mine.down.weight = mlp.down_proj.weight
+            mine.down.bias = _bias_or_zeros(mlp.down_proj, mine.down.out_features, weight) if features.mlp_bias else None
+    left = [name for name, t in [*dec.named_parameters(), *dec.named_buffers()] if t.is_meta]
+    if left:
+        raise ValueError(f"{features.model_type}: the decoder found no weight for {left[:4]}")
     return dec.eval().requires_grad_(False)
 
 
-def _copy_or_zero(mine: torch.Tensor, theirs: torch.Tensor | None) -> None:
+def _fused(linears: list[torch.nn.Linear], name: str) -> torch.nn.Parameter:
+    """One tensor of the ``name`` ("weight" or "bias") of ``linears`` stacked along the output
+    features; each linear's own becomes a view of its part, so nothing is held twice."""
+    fused = torch.nn.Parameter(torch.cat([getattr(lin, name) for lin in linears]), requires_grad=False)
+    at = 0
+    for lin in linears:
+        n = getattr(lin, name).shape[0]
+        setattr(lin, name, torch.nn.Parameter(fused[at : at + n], requires_grad=False))
+        at += n
+    return fused
+
+
+def _bias_or_zeros(linear: torch.nn.Linear, size: int, like: torch.Tensor) -> torch.nn.Parameter:
     """A row-parallel bias: a tensor-parallel rank other than 0 has none and adds zeros."""
-    if theirs is None:
-        mine.zero_()
-    else:
-        mine.copy_(theirs)
+    if linear.bias is not None:
+        return linear.bias
+    return torch.nn.Parameter(torch.zeros(size, dtype=like.dtype, device=like.device), requires_grad=False)
 
 
 def _check_bias(linear: torch.nn.Linear, declared: bool, name: str, absent_ok: bool = False) -> None:
