@@ -84,7 +84,7 @@ def linear_invariance(model: torch.nn.Module, row_counts: Sequence[int] = INVARI
                       plan=None, seed: int = 0) -> dict[str, Any]:
     """Per distinct linear shape: batch-variant rows per M, with torch's ``F.linear`` and (float32
     only, when ``plan`` is given) the runner's kernel plan."""
-    from tr_serve.runner import cpu_kernels
+    from tr_serve.kernels import cpu_kernels
 
     dtype = next(model.parameters()).dtype
     g = torch.Generator().manual_seed(seed)

@@ -1,15 +1,15 @@
-"""Marks for the tests of the compiled kernels (runner/native.py).
+"""Marks for the tests of the compiled kernels (kernels/native.py).
 
 A test that needs a kernel skips where the kernel is not available here (no C compiler, torch
 without libgomp), except under ``TR_SERVE_REQUIRE_KERNELS=1`` (set by ``.ci/run``): there it runs,
-and the kernel's :class:`~tr_serve.runner.native.KernelUnavailable` fails it, so CI cannot pass
+and the kernel's :class:`~tr_serve.kernels.native.KernelUnavailable` fails it, so CI cannot pass
 with no kernel at all."""
 
 from __future__ import annotations
 
 import pytest
 
-from tr_serve.runner import native
+from tr_serve.kernels import native
 
 
 def kernel_missing(kernel: native.Kernel) -> bool:

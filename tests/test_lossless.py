@@ -158,7 +158,8 @@ def test_lossless_while_a_replicas_start_up_work_lands(bench_prompts, references
     with an empty matrix; the kernel plan's measurement, its swap and the prior's rows land in
     slices between steps, in the middle of requests; every output stays plain decoding's."""
     from tr_serve.model_loader import load_model
-    from tr_serve.runner import kernel_autotune, matrix_prior
+    from tr_serve.runner import matrix_prior
+    from tr_serve.kernels import kernel_autotune
     from tr_serve.runner.startup_work import deferring
     from tr_serve.tr.matrix import EMPTY
 

@@ -127,7 +127,7 @@ def test_concurrency_bench_serves_distinct_questions_identically(tokenizer, tmp_
     assert len(ids) == len(set(ids)) == 12
     # how it was measured
     assert result["torch"] == torch.__version__ and result["torch_threads"] == torch.get_num_threads()
-    from tr_serve.runner.kernel_autotune import select_plan
+    from tr_serve.kernels.kernel_autotune import select_plan
 
     assert result["kernel_plan"] == kernel_plan_record(select_plan(loaded.model))
     assert result["templates"] == {"baseline": None, "pld": None, "tr:2.2.2": template_record("2.2.2", 8),

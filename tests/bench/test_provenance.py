@@ -5,7 +5,7 @@ from __future__ import annotations
 import hashlib
 
 from tr_serve.bench.provenance import kernel_plan_record, template_record, template_sha256
-from tr_serve.runner.cpu_kernels import KernelPlan
+from tr_serve.kernels.cpu_kernels import KernelPlan
 from tr_serve.tr.tree import load_template
 
 

@@ -32,7 +32,7 @@ def test_bench_in_process(loaded, tmp_path, question_file):
 
     assert result["torch"] == torch.__version__ and result["transformers"] == transformers.__version__
     assert result["torch_threads"] == torch.get_num_threads()
-    from tr_serve.runner.kernel_autotune import select_plan
+    from tr_serve.kernels.kernel_autotune import select_plan
 
     assert result["cpu_kernels"] == "auto" and result["kernel_plan"] == kernel_plan_record(select_plan(loaded.model))
     _, top4 = load_template("top4", 8)

@@ -320,7 +320,7 @@ def test_k8s_doc_names_the_serve_service(name):
 
 
 IMAGE_HOME = "/home/ray"  # the Ray images' user's home (Dockerfile): the default kernel cache is under it
-DEFAULT_KERNEL_CACHE = f"{IMAGE_HOME}/.cache/tr_serve/compiled"  # tr_serve.runner.native.kernel_dir()
+DEFAULT_KERNEL_CACHE = f"{IMAGE_HOME}/.cache/tr_serve/compiled"  # tr_serve.kernels.native.kernel_dir()
 
 
 def kernel_cache_problems(manifest: dict) -> list[str]:
@@ -582,7 +582,7 @@ def test_dockerfile_installs_the_project_and_the_embedded_model_without_dev_deps
 
 
 def test_dockerfile_installs_a_c_compiler_and_libgomp_for_the_cpu_kernels():
-    """The runner's CPU kernels are compiled at start-up (runner/native.py): without gcc the image
+    """The runner's CPU kernels are compiled at start-up (kernels/native.py): without gcc the image
     would run torch's kernels instead, slower, and say so only in a log line."""
     runs = " ".join(rest for word, rest in dockerfile_instructions() if word == "RUN")
     install = re.search(r"apt-get install[^&;]*", runs)

@@ -66,7 +66,7 @@ def test_a_changed_native_kernel_keys_a_new_table_and_plan(tokenizer, monkeypatc
     a kernel whose source changed (the panel GEMM's grouping, say) is timed again, not priced with
     the old figures."""
     from tests.tiny_model import tiny_loaded
-    from tr_serve.runner import cpu_kernels, kernel_autotune, layer_driver, panel_gemm, tree_attention
+    from tr_serve.kernels import cpu_kernels, kernel_autotune, layer_driver, panel_gemm, tree_attention
 
     model = tiny_loaded(tokenizer).model
     runner = ModelRunner(model, 1, 64)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from tr_serve.runner import llama_body
-from tr_serve.runner.cpu_kernels import KernelPlan, fuse_siblings, kernel_calls, kernel_linears, pack
+from tr_serve.kernels.cpu_kernels import KernelPlan, fuse_siblings, kernel_calls, kernel_linears, pack
 from tr_serve.runner.model_runner import ModelRunner, build_step_mask
 
 

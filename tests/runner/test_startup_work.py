@@ -13,7 +13,8 @@ import torch
 from tests.tiny_model import tiny_loaded
 from tr_serve.engine.config import EngineConfig
 from tr_serve.engine.engine import Engine
-from tr_serve.runner import calibration, cpu_kernels, kernel_autotune, kernel_sample, kernel_timing, matrix_prior
+from tr_serve.runner import calibration, matrix_prior
+from tr_serve.kernels import cpu_kernels, kernel_autotune, kernel_sample, kernel_timing
 from tr_serve.runner.startup_work import StartupWork, current, deferring
 from tr_serve.sampling_params import SamplingParams
 from tr_serve.tr.matrix import EMPTY

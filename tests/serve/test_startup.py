@@ -159,7 +159,8 @@ def test_the_replica_is_ready_before_its_kernel_plan_and_prior_then_builds_them_
     its start-up task then measures and seeds between steps; the greedy text stays the same."""
     from tests.tiny_model import tiny_loaded
     from tr_serve import model_loader
-    from tr_serve.runner import calibration, kernel_autotune, kernel_timing, matrix_prior
+    from tr_serve.runner import calibration, matrix_prior
+    from tr_serve.kernels import kernel_autotune, kernel_timing
     from tr_serve.serve.protocol import CompletionRequest
     from tr_serve.serve.server import LLMServer
 
@@ -218,7 +219,8 @@ def test_a_request_and_a_shutdown_do_not_wait_for_the_idle_latency_measurement(t
     again at the next idle moment), and so is a shutdown (an idle SIGTERM exits promptly)."""
     from tests.tiny_model import tiny_loaded
     from tr_serve import model_loader
-    from tr_serve.runner import calibration, kernel_autotune
+    from tr_serve.runner import calibration
+    from tr_serve.kernels import kernel_autotune
     from tr_serve.serve.protocol import CompletionRequest
     from tr_serve.serve.server import LLMServer
 
@@ -279,7 +281,8 @@ def test_prepare_caches_what_a_starting_replica_then_finds(tokenizer, tmp_path, 
     from tr_serve import cli
     from tr_serve.engine.engine import Engine
     from tr_serve.model_loader import load_model
-    from tr_serve.runner import calibration, kernel_timing
+    from tr_serve.runner import calibration
+    from tr_serve.kernels import kernel_timing
     from tr_serve.runner.startup_work import deferring
     from tr_serve.serve.warm_cache import app_configs
 

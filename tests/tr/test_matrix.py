@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from tr_serve.runner.top_k import top_k_indices
+from tr_serve.kernels.top_k import top_k_indices
 from tr_serve.tr.matrix import EMPTY, STREAK_CAP, AdjacencyMatrix, last_occurrences
 
 V = 10

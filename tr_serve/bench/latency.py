@@ -95,7 +95,7 @@ def run_latency(loaded, cpu_kernels: str = "auto", contexts: Sequence[int] = CON
     built as the engine builds it: the kernel plan of ``cpu_kernels`` ("auto": measured per token
     count, fp32 on CPU only; "torch": torch's own)."""
     from tr_serve.bench.provenance import environment
-    from tr_serve.runner.kernel_autotune import select_plan
+    from tr_serve.kernels.kernel_autotune import select_plan
     from tr_serve.runner.model_runner import ModelRunner
 
     contexts = tuple(sorted(set(int(c) for c in contexts)))

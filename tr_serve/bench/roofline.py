@@ -12,7 +12,7 @@ token (attention projections, gated MLP, LM head) and attention over the keys ea
 prefix plus its tree ancestors and itself); norms, rotary embedding and softmax are left out (a few
 FLOPs per activation, not per weight). The peak is a measured loop of independent fused
 multiply-adds on the widest float vectors the CPU has, one per thread of torch's OpenMP team
-(``tr_serve/csrc/fma_peak.c``, in the kernels' library: :mod:`tr_serve.runner.native`).
+(``tr_serve/kernels/csrc/fma_peak.c``, in the kernels' library: :mod:`tr_serve.kernels.native`).
 """
 
 from __future__ import annotations
@@ -24,9 +24,9 @@ from typing import Any
 import torch
 
 from tr_serve.model_shape import attention_shape
-from tr_serve.runner import native
+from tr_serve.kernels import native
 
-CHAINS = 12  # accumulators per thread of the peak loop: csrc/fma_peak.h's FMA_CHAINS (tests/runner/test_csrc.py)
+CHAINS = 12  # accumulators per thread of the peak loop: csrc/fma_peak.h's FMA_CHAINS (tests/kernels/test_csrc.py)
 
 def _self_check(lib: ctypes.CDLL) -> bool:
     out = ctypes.c_float(0.0)

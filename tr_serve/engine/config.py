@@ -13,7 +13,7 @@ from tr_serve.tr.tree_spec import DEFAULT_TREE_SETTING, is_plain, parse_tree_spe
 
 # the model tr_serve serves when none is named: the embedded SmolLM2-135M-Instruct (model_loader.py)
 DEFAULT_MODEL = EMBEDDED_ALIAS
-CPU_KERNEL_MODES = ("auto", "torch")  # measured kernel per token count (runner/cpu_kernels.py), or F.linear
+CPU_KERNEL_MODES = ("auto", "torch")  # measured kernel per token count (kernels/cpu_kernels.py), or F.linear
 DECODERS = ("auto", "compact", "transformers")
 DEVICE = re.compile(r"^(cpu|mps|cuda(:\d+)?)$")
 
@@ -59,8 +59,8 @@ class EngineConfig:
     kv_cache_memory_gb: float | None = None  # caps rows x max_model_len; None = max_num_seqs rows
     budget: str = "fixed"
     online_latency: bool = True  # budget "auto": correct the calibrated latency with measured steps
-    # "auto": on CPU in float32, the fastest measured linear kernel per token count (runner/cpu_kernels.py)
-    # and the native tree attention (runner/tree_attention.py); "torch": torch's own F.linear and attention
+    # "auto": on CPU in float32, the fastest measured linear kernel per token count (kernels/cpu_kernels.py)
+    # and the native tree attention (kernels/tree_attention.py); "torch": torch's own F.linear and attention
     cpu_kernels: str = "auto"
     # which model code runs the step (runner/factory.py): "compact", tr_serve's own decoder over bucketed
     # static shapes (tr_serve/model/decoder.py, runner/decoder_runner.py); "transformers", the loaded

@@ -13,7 +13,7 @@ import torch
 
 from tr_serve.disk_cache import load_json, load_or_make, save_json
 from tr_serve.model_loader import cache_root
-from tr_serve.runner import layer_driver, layer_ops, panel_gemm, tree_attention
+from tr_serve.kernels import layer_driver, layer_ops, panel_gemm, tree_attention
 from tr_serve.runner.decoder_runner import DecoderRunner
 from tr_serve.runner.step_io import StepRunner, StepSampling
 from tr_serve.tr.step_latency import LatencyTable

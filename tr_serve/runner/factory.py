@@ -10,7 +10,7 @@ import torch
 from tr_serve.model.decoder import from_hf
 from tr_serve.model.family import features_of
 from tr_serve.runner.decoder_runner import DecoderRunner
-from tr_serve.runner.kernel_autotune import select_plan
+from tr_serve.kernels.kernel_autotune import select_plan
 from tr_serve.runner.model_runner import ModelRunner, rows_within_budget
 from tr_serve.runner.sync_audit import AUDIT_DEVICE, SyncAudit
 

@@ -1,7 +1,7 @@
 """The decoder body of a transformers Llama model, called layer by layer without the framework
 around it: the same modules and the same tensor operations in the same order, so the hidden
 states are bit-identical to ``model.model(...)`` (with torch's attention; the runner's native
-tree attention, :mod:`tr_serve.runner.tree_attention`, sums in another order).
+tree attention, :mod:`tr_serve.kernels.tree_attention`, sums in another order).
 
 Why: on CPU a one-token forward of a small model spends a good part of its time outside the
 kernels. transformers' per-layer wrappers (gradient-checkpointing layer calls, keyword-argument
@@ -13,7 +13,7 @@ Only plain Llama models take this path (:func:`body_for`), on CPU, and on any ot
 runner's step attention (:mod:`tr_serve.runner.step_attention`); any other architecture, attention
 implementation or a model in training mode runs transformers' own forward. Where the
 native kernels take the whole step (tree attention, every linear on the panel GEMM), the layers'
-loop itself runs in C (:mod:`tr_serve.runner.layer_driver`), with the same results.
+loop itself runs in C (:mod:`tr_serve.kernels.layer_driver`), with the same results.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from tr_serve.model_shape import attention_shape
-from tr_serve.runner import cpu_kernels, layer_driver, layer_ops, tree_attention
+from tr_serve.kernels import cpu_kernels, layer_driver, layer_ops, tree_attention
 from tr_serve.runner.step_attention import StepAttention
 
 _ATTENTION = ("sdpa", "tr_serve_sdpa")  # the implementations whose arithmetic the body reproduces
@@ -86,7 +86,7 @@ def _build(model) -> Callable | None:
         row pays for another row's width, or, given ``queries``, through the native tree attention
         in one call per layer (then ``mask`` is not needed); otherwise over the padded [b, heads,
         s, d] layout. ``native``: on the packed layout, the layers' norms, rotary embedding, cache
-        writes and gated activation run through :mod:`tr_serve.runner.layer_ops` (the caller
+        writes and gated activation run through :mod:`tr_serve.kernels.layer_ops` (the caller
         checks :func:`supports_layer_ops`). Given ``step`` (then ``mask`` is None), every layer writes
         the packed tokens' keys and values into the cache, in any order of rows, and attends
         through it. Returns the real tokens' hidden states, packed in row order: [t, hidden]."""
@@ -166,7 +166,7 @@ def _driver(drivers: weakref.WeakKeyDictionary, layers, final_norm, cache) -> la
 
 def _native_layers(layers, final_norm, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache, segments,
                    mask: torch.Tensor | None, queries: tree_attention.StepQueries | None) -> torch.Tensor:
-    """The layers over the packed tokens h [1, t, hidden] with :mod:`tr_serve.runner.layer_ops`:
+    """The layers over the packed tokens h [1, t, hidden] with :mod:`tr_serve.kernels.layer_ops`:
     the same modules' weights and matrix products, three native calls for the rest of a layer.
     A layer's residual add is done by the next norm (``pending``)."""
     t = h.shape[1]

@@ -13,8 +13,8 @@ import torch
 
 from tr_serve.model_shape import attention_shape
 from tr_serve.runner.attention import runner_attention, takes_step
-from tr_serve.runner import layer_ops, tree_attention
-from tr_serve.runner.cpu_kernels import KernelPlan
+from tr_serve.kernels import layer_ops, tree_attention
+from tr_serve.kernels.cpu_kernels import KernelPlan
 from tr_serve.runner.hf_compat import cache_kwargs
 from tr_serve.runner.kv_cache import SlotKVCache
 from tr_serve.runner.llama_body import body_for, supports_layer_ops

@@ -12,7 +12,7 @@ import torch
 
 from tr_serve.runner.sampler import sample_rows
 from tr_serve.runner.step_io import NextTokens, StepSampling
-from tr_serve.runner.top_k import top_k_indices, top_k_rows
+from tr_serve.kernels.top_k import top_k_indices, top_k_rows
 
 
 def on_host(device: torch.device) -> bool:

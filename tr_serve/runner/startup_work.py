@@ -1,7 +1,7 @@
 """Start-up work that runs after the replica is ready, in slices between engine steps.
 
 Why: a replica answers once its weights are loaded and it can run a forward. What only makes it
-faster or draft better, the kernel plan's measurement (runner/kernel_autotune.py) and the matrix prior
+faster or draft better, the kernel plan's measurement (kernels/kernel_autotune.py) and the matrix prior
 (runner/matrix_prior.py), took minutes for a 1B model on a 2-core CPU, during which every request
 got 503. With a :class:`StartupWork` collecting (:func:`deferring`), those two take what is cached
 at once and otherwise register a job here and return at once (torch's kernels, an empty prior);

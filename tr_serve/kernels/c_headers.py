@@ -1,4 +1,4 @@
-"""What the kernels' C headers (``tr_serve/csrc/*.h``) declare, read from their text: the functions'
+"""What the kernels' C headers (``tr_serve/kernels/csrc/*.h``) declare, read from their text: the functions'
 prototypes, as ctypes bindings, and the integer ``#define`` constants.
 
 Why: a C signature written by hand a second time, as ctypes ``argtypes``, drifts from the definition

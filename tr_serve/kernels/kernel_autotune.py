@@ -1,4 +1,4 @@
-"""The kernel plan: which of :mod:`tr_serve.runner.cpu_kernels`' kernels serves each token count,
+"""The kernel plan: which of :mod:`tr_serve.kernels.cpu_kernels`' kernels serves each token count,
 measured on the model's own linear calls on this CPU.
 
 Which kernel wins depends on the CPU and the token count, so :func:`select_plan` measures every
@@ -12,7 +12,7 @@ count's are measured again, so that one noisy moment at start-up is not cached f
 measurement stops after :data:`MEASURE_SECONDS`; one taken mostly on a busy machine is cached as
 provisional and measured again at a later start on a quiet machine, and a plan measured by older
 code is never reused (:data:`PLAN_VERSION` is in the cache key). How a kernel is timed on a shared
-machine: :mod:`tr_serve.runner.kernel_timing`.
+machine: :mod:`tr_serve.kernels.kernel_timing`.
 """
 
 from __future__ import annotations
@@ -29,9 +29,9 @@ from typing import Any, Generator
 import torch
 from torch import nn
 
-from tr_serve.runner import cpu_kernels, kernel_sample, kernel_timing, layer_driver, panel_gemm, tree_attention
-from tr_serve.runner.cpu_kernels import PREPACKED, KernelPlan, fuse_siblings, kernel_calls, kernel_linears
-from tr_serve.runner.kernel_timing import Timings, WorkClock, one_thread, time_rounds, time_schedule
+from tr_serve.kernels import cpu_kernels, kernel_sample, kernel_timing, layer_driver, panel_gemm, tree_attention
+from tr_serve.kernels.cpu_kernels import PREPACKED, KernelPlan, fuse_siblings, kernel_calls, kernel_linears
+from tr_serve.kernels.kernel_timing import Timings, WorkClock, one_thread, time_rounds, time_schedule
 
 logger = logging.getLogger(__name__)
 
@@ -44,7 +44,7 @@ POINTS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 256, 512)
 PLAN_VERSION = 14
 ROUNDS = 5  # interleaved timing rounds per (count, kernel); the minimum is kept
 PAD_GAIN = 0.95  # pad a count up to a larger measured one only when that is at least 5% faster
-# The panel GEMM's times at the token counts the decoder layers' C loop takes (runner/layer_driver.py:
+# The panel GEMM's times at the token counts the decoder layers' C loop takes (kernels/layer_driver.py:
 # every linear on the panel GEMM at exactly the step's count, up to MAX_WIDTH_C_LOOP tokens) count as
 # this fraction when kernels are compared: the plan times the linear layers alone, and only the panel
 # GEMM lets the C loop replace the layers' Python loop, whose overhead is not in those times. Measured

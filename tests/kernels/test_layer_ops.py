@@ -8,8 +8,8 @@ import torch
 import torch.nn.functional as F
 from transformers.models.llama.modeling_llama import LlamaRMSNorm, apply_rotary_pos_emb
 
-from tr_serve.runner import layer_ops as lo
-from tr_serve.runner import native
+from tr_serve.kernels import layer_ops as lo
+from tr_serve.kernels import native
 from tr_serve.runner.model_runner import ModelRunner
 from tests.kernel_testutil import needs_kernel as _needs
 from tests.tiny_model import prefill_and_verify, small_llama

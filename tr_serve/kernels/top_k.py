@@ -24,8 +24,8 @@ from ``torch.topk`` (which leaves ties unspecified); it only feeds drafts.
 
 Nothing here is required: without a compiler or torch's libgomp, or when the self-check fails,
 :func:`top_k_rows` returns None and the caller uses torch. ``TR_SERVE_TOP_K=0`` turns it off.
-The C code is ``tr_serve/csrc/top_k.c``, built with the other kernels into one library
-(:mod:`tr_serve.runner.native`).
+The C code is ``tr_serve/kernels/csrc/top_k.c``, built with the other kernels into one library
+(:mod:`tr_serve.kernels.native`).
 """
 
 from __future__ import annotations
@@ -34,9 +34,9 @@ import ctypes
 
 import torch
 
-from tr_serve.runner import native
+from tr_serve.kernels import native
 
-MAX_K = 64  # csrc/top_k.h's TOP_K_MAX (tests/runner/test_csrc.py)
+MAX_K = 64  # csrc/top_k.h's TOP_K_MAX (tests/kernels/test_csrc.py)
 
 def _self_check(lib: ctypes.CDLL) -> bool:
     g = torch.Generator().manual_seed(0)

@@ -5,11 +5,11 @@ Why: each kernel is a few hundred lines of portable C (GCC vector extensions) co
 AVX2 or NEON elsewhere. The library links ``libgomp.so.1``: the copy torch has already loaded, so the
 kernels run on torch's own OpenMP team and never compete with its threads.
 
-The C lives in C files, ``tr_serve/csrc`` (package data): ``vec.h``, the vector types and helpers
+The C lives in C files, ``tr_serve/kernels/csrc`` (package data): ``vec.h``, the vector types and helpers
 they share; per kernel ``x.c`` and ``x.h``, the header declaring its functions, each prototype
 written once. One compiler run builds every ``.c`` file into one library (:func:`build`), loaded
 once per process (:class:`Library`); the ctypes bindings are read from the headers' prototypes
-(:mod:`tr_serve.runner.c_headers`). Each kernel (:class:`Kernel`) keeps its own switch, self-check
+(:mod:`tr_serve.kernels.c_headers`). Each kernel (:class:`Kernel`) keeps its own switch, self-check
 and fall-back to torch.
 
 Loading a library runs its code in this process, so where they come from is guarded:
@@ -45,7 +45,7 @@ from typing import Callable, Mapping
 
 import torch
 
-from tr_serve.runner import c_headers
+from tr_serve.kernels import c_headers
 
 logger = logging.getLogger(__name__)
 
@@ -226,7 +226,7 @@ def cpu_identity(cpuinfo: str | None = None, machine: str | None = None) -> str:
     return "\n".join([machine, *sorted(fields)])
 
 
-CSRC = Path(__file__).resolve().parent.parent / "csrc"  # the kernels' C sources (package data)
+CSRC = Path(__file__).resolve().parent / "csrc"  # the kernels' C sources (package data)
 LIBRARY_NAME = "tr_kernels"
 BUILD_TIMEOUT_S = 300  # one compiler run builds every kernel
 INCLUDE = re.compile(r'^[ \t]*#[ \t]*include[ \t]*"([^"]+)"', re.M)
@@ -289,7 +289,7 @@ def build(cc: str, name: str, sources: Mapping[str, str], folder: Path) -> Path:
 class Library:
     """The one shared library of a set of C sources (:data:`KERNELS`: the package's ``csrc``), built
     and loaded at most once per process, compiler and kernel directory (thread-safe), with every
-    function its interface headers declare bound for ctypes (:mod:`tr_serve.runner.c_headers`)."""
+    function its interface headers declare bound for ctypes (:mod:`tr_serve.kernels.c_headers`)."""
 
     def __init__(self, name: str, sources: Path | Mapping[str, str]):
         self.name = name

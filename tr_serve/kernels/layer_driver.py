@@ -14,8 +14,8 @@ linear layer of the step runs the panel GEMM (the kernel plan's choice for the s
 the attention projections and the MLP's gate and up are fused siblings, no linear has a bias and all
 widths are multiples of 16. Otherwise :func:`prepare` or :func:`applies` says no and the Python loop
 runs. Without a compiler, on a failed self-check, or with ``TR_SERVE_LAYER_DRIVER=0``, likewise.
-The C code is ``tr_serve/csrc/layer_driver.c``, linked with the kernels it calls into one library
-(:mod:`tr_serve.runner.native`).
+The C code is ``tr_serve/kernels/csrc/layer_driver.c``, linked with the kernels it calls into one library
+(:mod:`tr_serve.kernels.native`).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tr_serve.runner import layer_ops, native, panel_gemm, tree_attention
+from tr_serve.kernels import layer_ops, native, panel_gemm, tree_attention
 
 def scratch_floats(t: int, hidden: int, heads: int, kv_heads: int, head_dim: int, intermediate: int) -> int:
     """Floats of the scratch buffer the C loop carves up (see ``csrc/layer_driver.c``)."""

@@ -22,8 +22,8 @@ Every token's result is computed by the same code in the same order whatever els
 (batch invariant), so a token verified in a tree gets exactly what a one-token step gives it. The
 runner uses these where it uses the native tree attention (fp32 Llama on CPU, ``cpu_kernels:
 auto``); without a compiler, on a failed self-check, or with ``TR_SERVE_LAYER_OPS=0``, the body
-keeps torch's operations. The C code is ``tr_serve/csrc/layer_ops.c``, built with the other kernels
-into one library (:mod:`tr_serve.runner.native`).
+keeps torch's operations. The C code is ``tr_serve/kernels/csrc/layer_ops.c``, built with the other kernels
+into one library (:mod:`tr_serve.kernels.native`).
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ import ctypes
 
 import torch
 
-from tr_serve.runner import native
+from tr_serve.kernels import native
 
 def _self_check(lib: ctypes.CDLL) -> bool:
     g = torch.Generator().manual_seed(0)

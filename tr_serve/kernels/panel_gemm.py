@@ -35,8 +35,8 @@ multiply-adds in blocks of 128 k (blocks added in order). The order does not dep
 of rows or on which other rows are in the call: a row's result is bit-identical whatever M (batch
 invariant), and close to torch's (a different summation order, as between any two BLAS kernels).
 
-The C code is ``tr_serve/csrc/panel_gemm.c`` (its functions declared in ``panel_gemm.h``), built
-with the other kernels into one library (:mod:`tr_serve.runner.native`).
+The C code is ``tr_serve/kernels/csrc/panel_gemm.c`` (its functions declared in ``panel_gemm.h``), built
+with the other kernels into one library (:mod:`tr_serve.kernels.native`).
 
 Nothing here is required: without a compiler, without torch's libgomp, or when the self-check
 fails, :func:`load` returns None and the kernel plan never offers this kernel.
@@ -50,7 +50,7 @@ from typing import Iterable
 import torch
 import torch.nn.functional as F
 
-from tr_serve.runner import native
+from tr_serve.kernels import native
 
 
 PANEL = 16  # output features per panel
@@ -136,7 +136,7 @@ def linear(x: torch.Tensor, panels: torch.Tensor, n: int, bias: torch.Tensor | N
 
 
 
-PREFETCH_L2_MAX_ROWS = 64  # csrc/panel_gemm.h's (tests/runner/test_csrc.py): more rows always prefetch into L1
+PREFETCH_L2_MAX_ROWS = 64  # csrc/panel_gemm.h's (tests/kernels/test_csrc.py): more rows always prefetch into L1
 _wide_narrow = True  # the library's settings (its defaults); the setters skip calls that change nothing
 _prefetch_l2: frozenset[int] = frozenset()
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tr_serve.runner import native
-from tr_serve.runner import tree_attention as ta
+from tr_serve.kernels import native
+from tr_serve.kernels import tree_attention as ta
 from tr_serve.runner.model_runner import ModelRunner
 from tests.kernel_testutil import needs_kernel as _needs
 from tests.tiny_model import small_llama

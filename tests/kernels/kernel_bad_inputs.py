@@ -1,6 +1,6 @@
 """Bad inputs for each compiled kernel's Python wrapper, run in a subprocess by test_kernel_inputs.py.
 
-    python tests/runner/kernel_bad_inputs.py GROUP
+    python tests/kernels/kernel_bad_inputs.py GROUP
 
 prints one JSON object: ``{"cases": {case: null | error class name}}`` (null: the call returned),
 or ``{"unavailable": why}`` where the kernels are not available here (and not required). A wrapper
@@ -19,7 +19,7 @@ from typing import Callable
 import torch
 
 from tr_serve.bench import roofline
-from tr_serve.runner import layer_driver, layer_ops, native, panel_gemm, top_k, tree_attention
+from tr_serve.kernels import layer_driver, layer_ops, native, panel_gemm, top_k, tree_attention
 
 Cases = dict[str, Callable[[], object]]
 

@@ -12,10 +12,10 @@ import torch
 from torch import nn
 import torch.nn.functional as F
 
-from tr_serve.runner import cpu_kernels as ck
-from tr_serve.runner import kernel_autotune as ka
-from tr_serve.runner import kernel_timing as kt
-from tr_serve.runner import panel_gemm
+from tr_serve.kernels import cpu_kernels as ck
+from tr_serve.kernels import kernel_autotune as ka
+from tr_serve.kernels import kernel_timing as kt
+from tr_serve.kernels import panel_gemm
 from tr_serve.runner.model_runner import ModelRunner
 from tests.kernel_testutil import kernel_missing
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import torch
 
-from tr_serve.runner import cpu_kernels as ck
-from tr_serve.runner import layer_driver, layer_ops
-from tr_serve.runner import tree_attention as ta
+from tr_serve.kernels import cpu_kernels as ck
+from tr_serve.kernels import layer_driver, layer_ops
+from tr_serve.kernels import tree_attention as ta
 from tr_serve.runner.model_runner import ModelRunner
 from tests.kernel_testutil import needs_kernel as _needs
 from tests.tiny_model import prefill_and_verify, small_llama

@@ -14,13 +14,13 @@ scaled dot products over the visible slots, a softmax (max subtracted, a vectori
 Cephes polynomial, ~1 ulp), and the weighted sum of values. The order of every sum is fixed by
 the code, not by the number of queries or rows in the call: a token's result is bit-identical
 whatever else is in the step (batch invariant; torch's flash attention is not), and close to
-torch's. It runs on torch's OpenMP team (:mod:`tr_serve.runner.native`).
+torch's. It runs on torch's OpenMP team (:mod:`tr_serve.kernels.native`).
 
 Nothing here is required: without a compiler, without torch's libgomp, for head sizes that are
 not a multiple of 16 or when the self-check fails, :func:`load` returns None and the runner keeps
 torch's attention. ``TR_SERVE_TREE_ATTENTION=0`` turns it off. The C code is
-``tr_serve/csrc/tree_attention.c``, built with the other kernels into one library
-(:mod:`tr_serve.runner.native`).
+``tr_serve/kernels/csrc/tree_attention.c``, built with the other kernels into one library
+(:mod:`tr_serve.kernels.native`).
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from tr_serve.runner import native
+from tr_serve.kernels import native
 
 
 # Widest row (query tokens) a step sends here; wider steps (prefill, big trees) keep torch's flash
@@ -45,7 +45,7 @@ MAX_WIDTH = 16
 # one row of 48 tokens 164 -> 128 ms; 2 rows with one of 17 tokens 76 -> 54 ms.
 MAX_WIDTH_ROWS = 64
 # Any step up to this width, one row or prefill included, when the decoder layers' C loop runs it
-# (runner/layer_driver.py): with the layers' Python gone, this kernel beats the Python loop with
+# (kernels/layer_driver.py): with the layers' Python gone, this kernel beats the Python loop with
 # torch's attention on one row. Measured as one-row prefills (SmolLM2-135M, 2 threads): 24 tokens
 # 87 -> 57 ms, 32: 90 -> 62, 48: 118 -> 89, 64: 138 -> 107, 96: 214 -> 171, 128: 248 -> 221, but
 # 200: 372 -> 379 and 400: 732 -> 852; the C loop needs the panel GEMM, which the kernel plan

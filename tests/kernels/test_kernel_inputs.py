@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.runner.kernel_bad_inputs import GROUPS
+from tests.kernels.kernel_bad_inputs import GROUPS
 
 ROOT = Path(__file__).resolve().parents[2]
 HARNESS = Path(__file__).with_name("kernel_bad_inputs.py")

@@ -9,7 +9,7 @@ for 8). Other kernels compute the same fp32 dot products much faster:
 - ``onednn``: oneDNN's linear on a weight prepacked once (``torch.ops.mkldnn``), which keeps the
   cost almost flat from 3 to 16 tokens;
 - ``panel``: this package's small-M GEMM on weights prepacked in 16-wide panels, compiled for this
-  CPU at start-up when a C compiler is there (:mod:`tr_serve.runner.panel_gemm`): every weight read
+  CPU at start-up when a C compiler is there (:mod:`tr_serve.kernels.panel_gemm`): every weight read
   once per call feeds all rows, so 8 rows cost about what 1 does and 16 rows little more.
 
 Sibling projections that read the same input (an attention block's q/k/v, an MLP's gate/up) run as
@@ -18,7 +18,7 @@ wider kernel calls. Each output element is still the dot product of one input ro
 row, in fp32.
 
 Which kernel serves which token count is a :class:`KernelPlan`, measured per CPU and model by
-:mod:`tr_serve.runner.kernel_autotune`. Results are fp32 like torch's, with a different summation
+:mod:`tr_serve.kernels.kernel_autotune`. Results are fp32 like torch's, with a different summation
 order: rounding-level differences only, exactly as between torch's own kernels for different batch
 shapes.
 
@@ -40,7 +40,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tr_serve.runner import panel_gemm
+from tr_serve.kernels import panel_gemm
 
 KERNELS = ("torch", "mkl_nt", "onednn", "panel")
 PREPACKED = ("onednn", "panel")  # kernels that keep a repacked copy of every weight (memory: one more model)

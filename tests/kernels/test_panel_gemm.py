@@ -9,8 +9,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tr_serve.runner import native
-from tr_serve.runner import panel_gemm as pg
+from tr_serve.kernels import native
+from tr_serve.kernels import panel_gemm as pg
 from tests.kernel_testutil import needs_kernel as _needs
 
 needs_kernel = _needs(pg.KERNEL)

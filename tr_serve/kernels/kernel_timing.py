@@ -16,7 +16,7 @@ from typing import Generator, Iterator
 
 import torch
 
-from tr_serve.runner.cpu_kernels import run_kernel
+from tr_serve.kernels.cpu_kernels import run_kernel
 
 CONTENDER = 1.5  # after two rounds, kernels slower than this times the best at a count stop being timed there
 RECHECK = 1.10  # a count whose best time exceeds a larger count's by this factor is measured again

@@ -1,4 +1,4 @@
-"""The one-pass top-k of a step's logits (runner/top_k.py): its argmax is torch's, bit for bit,
+"""The one-pass top-k of a step's logits (kernels/top_k.py): its argmax is torch's, bit for bit,
 and its top-k holds torch's values; where it cannot answer exactly it says so (None)."""
 
 from __future__ import annotations
@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tr_serve.runner import top_k
-from tr_serve.runner.top_k import top_k_rows
+from tr_serve.kernels import top_k
+from tr_serve.kernels.top_k import top_k_rows
 from tests.kernel_testutil import needs_kernel
 
 pytestmark = needs_kernel(top_k.KERNEL)

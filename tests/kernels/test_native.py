@@ -1,4 +1,4 @@
-"""Where compiled kernels come from and what happens when one cannot be had (runner/native.py):
+"""Where compiled kernels come from and what happens when one cannot be had (kernels/native.py):
 a private directory (0700, this user's, under directories no one else can change) that refuses
 anything others could have written; a cache key with the CPU's model and features on x86 and
 aarch64; -Wall -Werror; TR_SERVE_REQUIRE_KERNELS=1 turning a failed build or self-check into an
@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tr_serve.runner import native
+from tr_serve.kernels import native
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = '#include "tiny.h"\nint tr_answer(void) { return 42; }\n'
@@ -307,12 +307,12 @@ def test_required_an_unsafe_dir_raises(tmp_path, monkeypatch):
 
 @needs_compiler
 def test_ci_fails_on_a_broken_kernel_source_and_passes_on_the_real_one(tmp_path):
-    """The real thing, as CI runs it: a copy of tr_serve whose top-k kernel source (csrc/top_k.c) is
+    """The real thing, as CI runs it: a copy of tr_serve whose top-k kernel source (kernels/csrc/top_k.c) is
     broken on purpose, and the top-k tests under TR_SERVE_REQUIRE_KERNELS=1 with a fresh kernel
     directory. They fail (they do not skip); without the variable they skip; the real source passes."""
     copy = tmp_path / "src"
     shutil.copytree(ROOT / "tr_serve", copy / "tr_serve", ignore=shutil.ignore_patterns("__pycache__"))
-    top_k = copy / "tr_serve" / "csrc" / "top_k.c"
+    top_k = copy / "tr_serve" / "kernels" / "csrc" / "top_k.c"
     text = top_k.read_text()
     assert "int tr_top_k(" in text
     top_k.write_text(text.replace("int tr_top_k(", "int broken_on_purpose = ;\nint tr_top_k(", 1))
@@ -325,7 +325,7 @@ def test_ci_fails_on_a_broken_kernel_source_and_passes_on_the_real_one(tmp_path)
         if required:
             env[native.REQUIRE_ENV] = "1"
         return subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rs",
-                               str(ROOT / "tests" / "runner" / "test_top_k.py")], cwd=tmp_path, env=env,
+                               str(ROOT / "tests" / "kernels" / "test_top_k.py")], cwd=tmp_path, env=env,
                               capture_output=True, text=True, timeout=SUBPROCESS_TIMEOUT_S)
 
     broken = pytest_run(copy, required=True)

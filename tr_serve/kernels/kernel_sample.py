@@ -11,7 +11,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from tr_serve.runner.cpu_kernels import PREPACKED
+from tr_serve.kernels.cpu_kernels import PREPACKED
 
 # What one measurement packs and times. The plan picks one kernel per token count for every linear
 # of the forward, so it compares whole forwards' linears; it times a sample of them:

@@ -1,7 +1,7 @@
-"""The kernels' C lives in C files (tr_serve/csrc): no Python string of the package holds C source,
+"""The kernels' C lives in C files (tr_serve/kernels/csrc): no Python string of the package holds C source,
 each exported function's prototype is written once, in the header of its C file (which the C file
 includes, so the compiler checks the definition against it), the ctypes bindings are read from those
-prototypes (runner/c_headers.py), one vector header declares the vector types, and the package ships
+prototypes (kernels/c_headers.py), one vector header declares the vector types, and the package ships
 every source file."""
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import pytest
 import tr_serve
 from tests.kernel_testutil import kernel_missing
 from tr_serve.bench import roofline
-from tr_serve.runner import c_headers, layer_driver, layer_ops, native, panel_gemm, top_k, tree_attention
+from tr_serve.kernels import c_headers, layer_driver, layer_ops, native, panel_gemm, top_k, tree_attention
 
 PACKAGE = Path(tr_serve.__file__).resolve().parent
 ROOT = PACKAGE.parent
@@ -136,7 +136,7 @@ def test_the_package_ships_every_c_source():
     tomllib = pytest.importorskip("tomllib")  # Python 3.11+
     data = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]["tr_serve"]
     for name in SOURCES:
-        assert any(fnmatch.fnmatch(f"csrc/{name}", pattern) for pattern in data), name
+        assert any(fnmatch.fnmatch(f"kernels/csrc/{name}", pattern) for pattern in data), name
 
 
 @pytest.mark.skipif(any(kernel_missing(k) for k in KERNELS), reason="no C compiler or torch without libgomp here")
