@@ -116,8 +116,8 @@ def test_smollm2_tp3_matches_single_process(ray_tp, loaded):
 @pytest.mark.parametrize("tree", ["none", "2.2.2"])
 def test_the_compact_decoder_over_two_ranks_decodes_as_one_process(ray_tp, tokenizer, tree):
     """decoder: compact on every rank of a 2-way split (its heads, kv heads and MLP slice fused,
-    2 all-reduces a layer over gloo): the single-process compact engine's tokens, greedy and
-    seeded sampled, and plain decoding's under TR."""
+    2 all-reduces a layer over gloo, each rank half of the LM head): the single-process compact
+    engine's tokens, greedy and seeded sampled, and plain decoding's under TR."""
     from tr_serve.runner.decoder_runner import DecoderRunner
     from tr_serve.tp.runner import tp_engine
 
@@ -135,6 +135,8 @@ def test_the_compact_decoder_over_two_ranks_decodes_as_one_process(ray_tp, token
 
         ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
         assert ray.get([w.call.remote(_runner_type) for w in engine.runner.workers]) == ["DecoderRunner"] * 2
+        # each rank computes its half of the LM head (model/vocab_parallel.py)
+        assert ray.get([w.call.remote(_vocab_slice) for w in engine.runner.workers]) == [(0, 256), (256, 512)]
         got, done, _ = run(engine, PROMPTS, 24, extra=sampled)
         for i, prompt in enumerate(PROMPTS):
             assert_same_or_near_tie(loaded.model, prompt, got[i], want[i], f"prompt {i}")
@@ -146,3 +148,8 @@ def test_the_compact_decoder_over_two_ranks_decodes_as_one_process(ray_tp, token
 
 def _runner_type(worker) -> str:
     return type(worker.runner).__name__
+
+
+def _vocab_slice(worker) -> tuple[int, int]:
+    shard = worker.runner.decoder.vocab_shard
+    return shard.start, shard.stop

@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from tr_serve.model.family import FamilyFeatures, features_of
+from tr_serve.model.vocab_parallel import VocabShard, ids_over_shards, logits_over_shards
 from tr_serve.model_shape import attention_shape
 
 
@@ -165,8 +166,11 @@ class CompactDecoder(torch.nn.Module):
 
     def __init__(self, shape: DecoderShape, features: FamilyFeatures, inv_freq: torch.Tensor,
                  rope_scaling: float, max_positions: int,
-                 reduce: Callable[[torch.Tensor], torch.Tensor] | None = None):
+                 reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                 vocab_shard: VocabShard | None = None):
         super().__init__()
+        # a tensor-parallel rank's slice of the LM head (model/vocab_parallel.py); None: the whole head
+        self.vocab_shard = vocab_shard
         # a tensor-parallel rank's sum over the ranks of its row-parallel partial results (its
         # heads' output matmul, its MLP slice's down matmul): 2 all-reduces a layer; None alone
         self.reduce = reduce
@@ -238,12 +242,21 @@ class CompactDecoder(torch.nn.Module):
                            top_k)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """float32 logits [..., vocab] of ``hidden`` [..., hidden]."""
-        return F.linear(hidden, self.head_weight).float()
+        """float32 logits [P, vocab] of ``hidden`` [P, hidden] (under a vocabulary split, gathered
+        from every rank's slice: a collective every rank calls)."""
+        shard = self.vocab_shard
+        if shard is None:
+            return F.linear(hidden, self.head_weight).float()
+        return logits_over_shards(F.linear(hidden, self.head_weight[shard.start : shard.stop]).float(), shard)
 
     def ids_of(self, hidden: torch.Tensor, top_k: int) -> torch.Tensor:
-        """[..., 1 + top_k] int32: the argmax after each of ``hidden`` [..., hidden], then its ``top_k``
-        most likely next tokens (best first)."""
+        """[P, 1 + top_k] int32: the argmax after each of ``hidden`` [P, hidden], then its ``top_k``
+        most likely next tokens (best first). Under a vocabulary split each rank reduces its slice
+        and only the candidates are gathered (every rank calls it)."""
+        shard = self.vocab_shard
+        if shard is not None:
+            local = F.linear(hidden, self.head_weight[shard.start : shard.stop]).float()
+            return ids_over_shards(local, shard, top_k)
         logits = self.logits(hidden)
         best = logits.argmax(-1, keepdim=True)
         if top_k == 0:
@@ -251,8 +264,8 @@ class CompactDecoder(torch.nn.Module):
         return torch.cat((best, logits.topk(top_k, dim=-1).indices), dim=-1).to(torch.int32)
 
 
-def from_hf(model: torch.nn.Module, max_positions: int,
-            reduce: Callable[[torch.Tensor], torch.Tensor] | None = None) -> CompactDecoder:
+def from_hf(model: torch.nn.Module, max_positions: int, reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
+            vocab_shard: VocabShard | None = None) -> CompactDecoder:
     """A :class:`CompactDecoder` over the weights of ``model`` (a transformers ``*ForCausalLM`` of
     a supported family), on its device and in its dtype; a ValueError for anything the decoder
     would not compute as transformers does.
@@ -263,7 +276,8 @@ def from_hf(model: torch.nn.Module, max_positions: int,
 
     A tensor-parallel rank's shard (tr_serve/tp/shard.py: its heads, kv heads and MLP slice, its
     config rewritten to them) becomes that rank's decoder; ``reduce`` sums the row-parallel partial
-    results over the ranks. A row-parallel bias lives on rank 0 only: the others add zeros."""
+    results over the ranks. A row-parallel bias lives on rank 0 only: the others add zeros.
+    ``vocab_shard``: the rank's slice of the LM head it computes (model/vocab_parallel.py)."""
     cfg = model.config
     features = features_of(cfg)
     heads, kv_heads, head_dim = attention_shape(cfg)
@@ -274,7 +288,7 @@ def from_hf(model: torch.nn.Module, max_positions: int,
     weight = inner.embed_tokens.weight
     with torch.device("meta"):  # a skeleton: every tensor below is the model's
         dec = CompactDecoder(shape, features, rotary.inv_freq.detach().cpu(), float(rotary.attention_scaling),
-                             max_positions, reduce)
+                             max_positions, reduce, vocab_shard)
     dec.cos, dec.sin = dec.cos.to(weight.device), dec.sin.to(weight.device)
     row_parallel_bias_elsewhere = getattr(cfg, "tp_rank", 0) > 0  # rank 0 adds the output and down biases
     with torch.no_grad():

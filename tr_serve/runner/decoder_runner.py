@@ -207,13 +207,14 @@ class DecoderRunner(StepRunner):
         self._moves = []
         out = self._graph(shape)(device_buffer, self.k_cache, self.v_cache)
         self.steps += 1
+        if not greedy:  # every rank: under a vocabulary split the ranks gather the logits together
+            logits = self.decoder.logits(out[: len(picks)])
         if not self.emits:
             return None
         if not greedy:  # the sampler draws from the picked outputs' logits (runner/sampler.py)
             node_rows = np.asarray(picks) // q
             node_positions = positions_after.reshape(-1)[np.asarray(picks)]
-            out = next_token_ids(self.decoder.logits(out[: len(picks)]), sampling, node_rows, node_positions,
-                                 on_host(self.device))
+            out = next_token_ids(logits, sampling, node_rows, node_positions, on_host(self.device))
         return out[: len(picks)].cpu()  # the step's one copy to the host
 
     def _pack(self, shape: StepShape, rows: np.ndarray, tokens: np.ndarray, depths: np.ndarray,

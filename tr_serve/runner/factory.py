@@ -9,6 +9,7 @@ import torch
 
 from tr_serve.model.decoder import from_hf
 from tr_serve.model.family import features_of
+from tr_serve.model.vocab_parallel import VocabShard
 from tr_serve.runner.decoder_runner import DecoderRunner
 from tr_serve.kernels.kernel_autotune import select_plan
 from tr_serve.runner.model_runner import ModelRunner, rows_within_budget
@@ -35,7 +36,12 @@ def local_runner(model: torch.nn.Module, max_len: int, max_rows: int, kv_cache_m
         if tensor_parallel and compile:
             raise ValueError("compile is not supported under tensor parallelism yet: the ranks' compact decoder runs eagerly")
         with audit if audit is not None else contextlib.nullcontext():
-            compact = from_hf(model, max_positions=max_len, reduce=all_reduce_sum if tensor_parallel else None)
+            shard = None
+            if tensor_parallel:  # each rank computes its slice of the LM head
+                shard = VocabShard(model.config.tp_rank, model.config.tp_world_size, model.config.vocab_size,
+                                   all_gather_stacked)
+            compact = from_hf(model, max_positions=max_len, reduce=all_reduce_sum if tensor_parallel else None,
+                              vocab_shard=shard)
             return DecoderRunner(compact, num_rows, max_len, compile=compile,
                                  device=AUDIT_DEVICE if audit is not None else None, emits=emits)
     plan = select_plan(model) if cpu_kernels == "auto" else None  # None unless fp32 on CPU
@@ -50,6 +56,15 @@ def all_reduce_sum(partial: torch.Tensor) -> torch.Tensor:
 
     dist.all_reduce(partial, op=dist.ReduceOp.SUM)
     return partial
+
+
+def all_gather_stacked(local: torch.Tensor) -> torch.Tensor:
+    """[world, ...]: ``local`` of every rank of the default process group, in rank order."""
+    import torch.distributed as dist
+
+    parts = [torch.empty_like(local) for _ in range(dist.get_world_size())]
+    dist.all_gather(parts, local.contiguous())
+    return torch.stack(parts)
 
 
 def _compact_serves(model: torch.nn.Module) -> bool:
