@@ -165,3 +165,22 @@ def test_a_tensor_parallel_shard_is_refused_compile(tokenizer):
     with pytest.raises(ValueError, match="tensor parallelism"):
         local_runner(shard, 64, 2, decoder="compact", compile=True)
     assert isinstance(local_runner(shard, 64, 2, decoder="compact"), DecoderRunner)
+
+
+def test_a_step_that_does_not_compile_is_an_error_naming_its_bucket(tokenizer, monkeypatch):
+    """No silent eager fallback: the compile's failure surfaces at the bucket's first step, named."""
+    from tr_serve.model.decoder import from_hf
+    from tr_serve.runner.decoder_runner import StepCompileError
+    from tr_serve.runner.step_io import StepSampling
+
+    def broken_backend(fn, **options):
+        def call(*args):
+            raise RuntimeError("the backend failed")
+        return call
+
+    loaded = tiny_loaded(tokenizer)
+    runner = DecoderRunner(from_hf(loaded.model, max_positions=64), num_rows=2, max_len=64, compile=True)
+    monkeypatch.setattr(torch, "compile", broken_backend)
+    with pytest.raises(StepCompileError, match=r"bucket StepShape\(rows=1, queries=3.*the backend failed"):
+        runner.prefill_step(torch.tensor([0]), [[5, 6, 7]], StepSampling((None,), recycle_k=4))
+    assert runner._graphs == {}  # the next step tries again rather than running anything else

@@ -31,6 +31,10 @@ from tr_serve.runner.step_io import NextTokens, PrefillOutput, StepRunner, StepS
 MIN_PICKS = 8  # the smallest bucket of picked outputs and of KV moves (0 moves stays 0)
 
 
+class StepCompileError(RuntimeError):
+    """A bucket's step graph did not compile (torch.compile with ``fullgraph=True``)."""
+
+
 def bucket(n: int, cap: int | None, least: int = 1) -> int:
     """The smallest power of two >= max(n, least), at most ``cap`` (n <= cap; None: no cap).
 
@@ -118,6 +122,7 @@ class DecoderRunner(StepRunner):
         self.lens = np.zeros(num_rows, dtype=np.int64)
         self._moves: list[tuple[int, int]] = []  # (flat source slot, flat destination slot) for the next step
         self._graphs: dict[StepShape, Callable[..., torch.Tensor]] = {}
+        self._compiles = 0  # graphs compiled: each one's function is named apart
         self.steps = 0
 
     @property
@@ -287,11 +292,25 @@ class DecoderRunner(StepRunner):
             return step
         # a code object of its own per shape: torch.compile keeps one cache of graphs per code
         # object (at most ``recompile_limit``), and each bucket is a graph of its own, not a recompile
-        own = types.FunctionType(step.__code__.replace(co_name=f"step_{len(self._graphs)}"), step.__globals__,
-                                 f"step_{len(self._graphs)}", None, step.__closure__)
+        self._compiles += 1
+        name = f"step_{self._compiles}"
+        own = types.FunctionType(step.__code__.replace(co_name=name), step.__globals__, name, None, step.__closure__)
         compiled = torch.compile(own, fullgraph=True, dynamic=False)
-        self._graphs[shape] = compiled
-        return compiled
+
+        def first_call(*args: torch.Tensor) -> torch.Tensor:
+            """torch.compile compiles at the first call: a failure names the bucket, and nothing
+            runs in its place (``compile: false`` is the eager mode)."""
+            try:
+                out = compiled(*args)
+            except Exception as e:
+                del self._graphs[shape]
+                raise StepCompileError(f"compiling the step of bucket {shape} failed "
+                                       f"({type(e).__name__}: {e}); compile: false runs the steps eagerly") from e
+            self._graphs[shape] = compiled
+            return out
+
+        self._graphs[shape] = first_call
+        return first_call
 
 
 def _padded(a: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
