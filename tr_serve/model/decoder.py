@@ -117,9 +117,10 @@ def kv_heads_for_sdpa(keys: torch.Tensor, values: torch.Tensor, heads: int,
     return keys.repeat_interleave(group, dim=2), values.repeat_interleave(group, dim=2)
 
 
-# The two halves of a layer, each a nested compile region: torch.compile traces and compiles each
-# once and reuses the code for every layer of the same shapes (compile time of one layer, not of
-# all of them). The cache writes between them stay in the step, on the whole cache, in place.
+# The two halves of a layer, each a nested compile region: torch.compile compiles each once and
+# reuses the code for every layer of the same shapes (the step still traces every layer, so a
+# graph's compile grows with depth, but more slowly). The cache writes between them stay in the
+# step, on the whole cache, in place.
 @torch.compiler.nested_compile_region
 def attention_inputs(x: torch.Tensor, qkv_w: torch.Tensor, qkv_b: torch.Tensor | None, q_norm: torch.Tensor | None,
                      k_norm: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor, heads: int, kv_heads: int,
