@@ -130,7 +130,7 @@ def test_auto_takes_the_compact_decoder_on_cuda_for_a_family_it_serves(tokenizer
     monkeypatch.setattr(factory, "ModelRunner", lambda *a, **kw: built.append("transformers") or "transformers")
     cuda = torch.device("cuda")
     monkeypatch.setattr(torch.Tensor, "device", property(lambda self: cuda))  # a model "on CUDA"
-    monkeypatch.setattr(factory, "from_hf", lambda model, max_positions, reduce=None: None)
+    monkeypatch.setattr(factory, "from_hf", lambda model, max_positions, **parallel: None)
     monkeypatch.setattr(factory, "select_plan", lambda model: None)
     assert factory.local_runner(loaded.model, 64, 2, decoder="auto") == "compact"
     loaded.model.config.model_type = "gpt_neox"  # a family the compact decoder does not serve
