@@ -40,7 +40,8 @@ def test_engine_handle_of_an_in_process_engine(tokenizer):
     engine.check_health()
     engine.shutdown()  # nothing to release: the engine still serves
     engine.add_request([5, 6, 7], SamplingParams(max_tokens=2), "a")
-    assert engine.load().as_dict() == {"running": 0, "prefilling": 0, "waiting": 1, "kv_rows_used": 0, "kv_rows": 2}
+    assert engine.load().as_dict() == {"running": 0, "prefilling": 0, "waiting": 1, "kv_rows_used": 0, "kv_rows": 2,
+                                       "prefix_cache_queries": 0, "prefix_cache_hits": 0}
     while engine.has_unfinished():
         engine.step()
     assert engine.load().kv_rows_used == 0 and engine.matrix.num_filled_rows() > 0

@@ -17,8 +17,9 @@ def request(request_id: str, prompt_len: int = 4) -> Request:
     return Request(request_id, list(range(1, prompt_len + 1)), SamplingParams(), detokenizer=None)
 
 
-def test_the_scheduler_imports_no_torch():
-    source = Path(__file__).resolve().parents[2] / "tr_serve" / "engine" / "scheduler.py"
+@pytest.mark.parametrize("name", ["scheduler.py", "prefix_cache.py"])
+def test_the_scheduler_imports_no_torch(name):
+    source = Path(__file__).resolve().parents[2] / "tr_serve" / "engine" / name
     imported = set()
     for node in ast.walk(ast.parse(source.read_text())):
         if isinstance(node, ast.Import):
@@ -33,9 +34,10 @@ def test_admission_in_arrival_order_to_the_lowest_free_rows():
     for i in range(3):
         s.add(request(f"r{i}"))
     admitted = s.admit()
-    assert [(r.request_id, r.row) for r in admitted] == [("r0", 0), ("r1", 1)]
+    assert [(r.request_id, r.row) for r, _ in admitted] == [("r0", 0), ("r1", 1)]
     assert [r.request_id for r in s.waiting] == ["r2"] and s.free_rows == []
-    assert s.load().as_dict() == {"running": 0, "prefilling": 2, "waiting": 1, "kv_rows_used": 2, "kv_rows": 2}
+    assert s.load().as_dict() == {"running": 0, "prefilling": 2, "waiting": 1, "kv_rows_used": 2, "kv_rows": 2,
+                                  "prefix_cache_queries": 8, "prefix_cache_hits": 0}
 
 
 def test_duplicate_request_id_is_refused():

@@ -13,11 +13,12 @@ def test_chat_bodies():
                                                 "stream_options": {"include_usage": True}})
     r = responses_for(req, "id1", "m", 7)
     assert isinstance(r, ChatResponses)
-    assert r.full("hi", "stop", 3, 2, TR) == {
+    assert r.full("hi", "stop", 3, 2, TR, cached_tokens=1) == {
         "id": "id1", "object": "chat.completion", "created": 7, "model": "m",
         "choices": [{"index": 0, "message": {"role": "assistant", "content": "hi"}, "logprobs": None,
                      "finish_reason": "stop"}],
-        "usage": {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}, "tr": TR}
+        "usage": {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5,
+                  "prompt_tokens_details": {"cached_tokens": 1}}, "tr": TR}
     head = {"id": "id1", "object": "chat.completion.chunk", "created": 7, "model": "m"}
     assert r.first_chunk() == {**head, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
                                                     "logprobs": None, "finish_reason": None}], "usage": None}
@@ -25,7 +26,8 @@ def test_chat_bodies():
                                                  "finish_reason": None}], "usage": None}
     assert r.chunk("", "length", tr=TR)["choices"][0]["delta"] == {}
     assert r.usage_chunk(3, 2) == {**head, "choices": [],
-                                   "usage": {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}}
+                                   "usage": {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5,
+                                             "prompt_tokens_details": {"cached_tokens": 0}}}
 
 
 def test_completion_bodies():

@@ -68,6 +68,10 @@ class EngineConfig:
     # transformers elsewhere (on a CPU the native kernels are faster)
     decoder: str = "auto"
     compile: bool = False  # the compact decoder's steps through torch.compile(fullgraph=True), one graph per bucket
+    # automatic prefix caching (engine/prefix_cache.py): a prompt starting with full blocks of
+    # block_size tokens that a row's KV holds for the same tenant skips their prefill
+    enable_prefix_caching: bool = True
+    block_size: int = 16
 
     def __post_init__(self) -> None:
         if self.k < 1:
@@ -88,6 +92,8 @@ class EngineConfig:
             raise ValueError(f"suffix_index_tokens must be >= 1, got {self.suffix_index_tokens}")
         if self.tenant_matrix_rows < 1:
             raise ValueError(f"tenant_matrix_rows must be >= 1, got {self.tenant_matrix_rows}")
+        if self.block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {self.block_size}")
         if self.max_prefill_tokens < 1:
             raise ValueError(f"max_prefill_tokens must be >= 1, got {self.max_prefill_tokens}")
         if self.kv_cache_memory_gb is not None and self.kv_cache_memory_gb <= 0:

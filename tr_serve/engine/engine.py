@@ -80,7 +80,8 @@ class Engine:
         self.matrix, self.suffix = self.speculator.matrix, self.speculator.suffix
         self.tenant_matrices = self.speculator.tenant_rows
         self.timer = timer or PhaseTimer(self.runner.device, enabled=False)
-        self.scheduler = Scheduler(self.num_rows, config.max_prefill_tokens)
+        self.scheduler = Scheduler(self.num_rows, config.max_prefill_tokens, config.enable_prefix_caching,
+                                   config.block_size)
 
     def _seed_prior(self, loaded: LoadedModel) -> None:
         """The matrix's empty rows from the model's prior (runner/matrix_prior.py)."""
@@ -146,7 +147,9 @@ class Engine:
         """Schedule, then one forward: a prefill chunk, or one draft tree per decoding row (the
         scheduler alternates them while prompts are being prefilled); then the stop rules."""
         self._retire(self.scheduler.finished_in_rows())
-        for req in self.scheduler.admit():
+        for req, placement in self.scheduler.admit():
+            if placement.cached:  # the prompt's cached blocks: its prefill starts after them
+                self.runner.reuse_prefix(placement.row, placement.source, placement.cached)
             self.speculator.admit(req)
         if self.scheduler.prefill_turn():
             batch = self._prefill(self.scheduler.prefill_chunks())
@@ -171,7 +174,10 @@ class Engine:
         for req in done:
             with _fails_alone(req):
                 self.speculator.finish(req)
-        for row in self.scheduler.retire(done):
+        # what each row's KV holds of its request's tokens, findable by later prompts of its tenant
+        kv_tokens = [min(self.runner.length(r.row), len(r.prompt_ids) + len(r.output_ids)) if r.row >= 0 else 0
+                     for r in done]
+        for row in self.scheduler.retire(done, kv_tokens):
             self.runner.free(row)
 
     def _sampling(self, batch: list[Request]) -> StepSampling:

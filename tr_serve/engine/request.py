@@ -28,6 +28,7 @@ class RequestStats:
     the output; ``dropped_at_stop`` tokens the last step accepted past a stop point (cut)."""
 
     prompt_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens whose KV the prefix cache held (not prefilled)
     accepted_per_step: list[int] = field(default_factory=list)
     tree_nodes_per_step: list[int] = field(default_factory=list)
     dropped_at_stop: int = 0
@@ -109,7 +110,7 @@ class Request:
         new_text = self.text[self._sent_chars : visible]
         new_ids = tuple(self.output_ids[self._sent_tokens :])
         self._sent_chars, self._sent_tokens = visible, len(self.output_ids)
-        stats = RequestStats(self.stats.prompt_tokens, list(self.stats.accepted_per_step),
+        stats = RequestStats(self.stats.prompt_tokens, self.stats.cached_tokens, list(self.stats.accepted_per_step),
                              list(self.stats.tree_nodes_per_step), self.stats.dropped_at_stop)  # a snapshot
         return RequestOutput(self.request_id, self.text if self.finished else self.text[:visible],
                              list(self.output_ids), self.finished, self.finish_reason, stats,

@@ -8,6 +8,10 @@ the two alternate, so running requests keep streaming behind a long prompt.
 The engine runs the model over the batches this returns and reports back ``start_decoding`` (a
 prompt is complete) and ``retire`` (requests that finished); freeing a row in the model runner
 stays the engine's job: ``retire`` returns the rows it freed.
+
+Rows are placed by the prefix cache (engine/prefix_cache.py): a request goes to the free row that
+already holds the longest cached prefix of its prompt, for its tenant, and starts its prefill
+after it (``Request.num_prefilled``); the engine copies a prefix found in a running request's row.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from tr_serve.engine.prefix_cache import DEFAULT_BLOCK_SIZE, Placement, PrefixCache
 from tr_serve.engine.request import FinishReason
 
 if TYPE_CHECKING:
@@ -31,16 +36,18 @@ class PrefillChunk:
 
 
 class Scheduler:
-    """Request queues and cache rows. ``free_rows`` stays sorted: the lowest free row goes first,
-    which keeps the running rows packed at the start of the cache."""
+    """Request queues and cache rows. Without a cached prefix a request takes the lowest free row
+    holding nothing cached (which keeps the running rows packed at the start of the cache), else
+    the least recently freed one."""
 
-    def __init__(self, num_rows: int, max_prefill_tokens: int):
+    def __init__(self, num_rows: int, max_prefill_tokens: int, prefix_caching: bool = True,
+                 block_size: int = DEFAULT_BLOCK_SIZE):
         self.num_rows = num_rows
         self.max_prefill_tokens = max_prefill_tokens
         self.waiting: deque[Request] = deque()
         self.prefilling: list[Request] = []  # admitted, prompt not yet fully in the KV cache
         self.running: list[Request] = []  # decoding
-        self.free_rows: list[int] = list(range(num_rows))
+        self.prefix_cache = PrefixCache(num_rows, block_size, enabled=prefix_caching)
         self._decode_turn = False
         self._by_id: dict[str, Request] = {}
 
@@ -69,14 +76,24 @@ class Scheduler:
         """Requests holding a row that finished outside a step (aborted)."""
         return [r for r in self.prefilling + self.running if r.finished]
 
-    def admit(self) -> list["Request"]:
-        """Waiting requests moved to a free row, in arrival order; returns them."""
+    @property
+    def free_rows(self) -> list[int]:
+        return self.prefix_cache.free_rows
+
+    def admit(self) -> list[tuple["Request", Placement]]:
+        """Waiting requests moved to a free row, in arrival order, each with its cached prefix
+        (``num_prefilled`` starts after it); returns them with their placements."""
         admitted = []
-        while self.waiting and self.free_rows:
-            req = self.waiting.popleft()
-            req.row = self.free_rows.pop(0)
+        while self.waiting:
+            req = self.waiting[0]
+            placement = self.prefix_cache.place(req.prompt_ids, req.namespace)
+            if placement is None:
+                break
+            self.waiting.popleft()
+            req.row, req.num_prefilled = placement.row, placement.cached
+            req.stats.cached_tokens = placement.cached
             self.prefilling.append(req)
-            admitted.append(req)
+            admitted.append((req, placement))
         return admitted
 
     def prefill_turn(self) -> bool:
@@ -111,39 +128,52 @@ class Scheduler:
         return sorted(self.running, key=lambda r: r.row)
 
     def start_decoding(self, req: "Request") -> None:
-        """``req``'s prompt is all in the cache."""
+        """``req``'s prompt is all in the cache (and its full blocks are findable there)."""
         self.prefilling.remove(req)
         self.running.append(req)
+        if req.request_context.learn:
+            self.prefix_cache.hold(req.row, req.prompt_ids, req.namespace)
 
-    def retire(self, done: list["Request"]) -> list[int]:
-        """Forget ``done``; returns the cache rows it freed (in ``done``'s order)."""
+    def retire(self, done: list["Request"], kv_tokens: list[int] | None = None) -> list[int]:
+        """Forget ``done``; returns the cache rows it freed (in ``done``'s order). ``kv_tokens``:
+        per request, how many of its prompt + output tokens its row's KV holds (0 or None: its
+        row keeps nothing findable; a request that failed keeps nothing either way)."""
         freed = []
-        for req in done:
+        for i, req in enumerate(done):
             for queue in (self.prefilling, self.running):
                 if req in queue:
                     queue.remove(req)
                     freed.append(req.row)
-                    self.free_rows.append(req.row)
-                    self.free_rows.sort()
+                    held = kv_tokens[i] if kv_tokens is not None else 0
+                    keep = bool(held) and req.finish_reason is not FinishReason.ERROR and req.request_context.learn
+                    if keep:
+                        self.prefix_cache.hold(req.row, (req.prompt_ids + req.output_ids)[:held], req.namespace)
+                    self.prefix_cache.release(req.row, keep=keep)
             self._by_id.pop(req.request_id, None)
         return freed
 
     def load(self) -> "EngineLoad":
+        cache = self.prefix_cache
         return EngineLoad(running=len(self.running), prefilling=len(self.prefilling), waiting=len(self.waiting),
-                          kv_rows_used=self.num_rows - len(self.free_rows), kv_rows=self.num_rows)
+                          kv_rows_used=self.num_rows - len(self.free_rows), kv_rows=self.num_rows,
+                          prefix_cache_queries=cache.queried_tokens, prefix_cache_hits=cache.hit_tokens)
 
 
 @dataclass(frozen=True)
 class EngineLoad:
     """What the engine holds now: ``running`` decoding, ``prefilling`` (both hold a KV row),
-    ``waiting`` for a row."""
+    ``waiting`` for a row; since it started (monotonic), prompt tokens looked up in the prefix
+    cache and those found there."""
 
     running: int
     prefilling: int
     waiting: int
     kv_rows_used: int
     kv_rows: int
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
 
     def as_dict(self) -> dict[str, int]:
         return {"running": self.running, "prefilling": self.prefilling, "waiting": self.waiting,
-                "kv_rows_used": self.kv_rows_used, "kv_rows": self.kv_rows}
+                "kv_rows_used": self.kv_rows_used, "kv_rows": self.kv_rows,
+                "prefix_cache_queries": self.prefix_cache_queries, "prefix_cache_hits": self.prefix_cache_hits}

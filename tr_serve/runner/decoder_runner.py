@@ -135,8 +135,26 @@ class DecoderRunner(StepRunner):
         return int(self.lens[row])
 
     def free(self, row: int) -> None:
+        # its pending moves stay: they complete the entries a later request may reuse
         self.lens[row] = 0
-        self._moves = [(s, d) for s, d in self._moves if d // self.max_len != row]
+
+    def reuse_prefix(self, row: int, source: int, length: int) -> None:
+        if length > self.max_len:
+            raise ValueError(f"a prefix of {length} tokens exceeds max_len {self.max_len}")
+        if source != row:
+            self._apply_moves()  # the source's last accepted entries, before they are read
+            s = self.max_len
+            for cache in (self.k_cache, self.v_cache):
+                cache[:, row * s : row * s + length] = cache[:, source * s : source * s + length]
+        self.lens[row] = length
+
+    def _apply_moves(self) -> None:
+        """The pending compaction moves now, outside a step (a prefix copy is about to read them)."""
+        if self._moves:
+            moves = torch.tensor(self._moves, dtype=torch.long).to(self.device)
+            for cache in (self.k_cache, self.v_cache):
+                cache[:, moves[:, 1]] = cache[:, moves[:, 0]]
+            self._moves = []
 
     def compact(self, rows: torch.Tensor, keep: list[torch.Tensor]) -> None:
         """Keep the accepted nodes' KV entries: row r's kept columns go to the slots after its

@@ -221,6 +221,15 @@ class SlotKVCache(Cache):
     def set_length(self, row: int, length: int) -> None:
         self.lens[row] = length
 
+    def reuse_prefix(self, row: int, source: int, length: int) -> None:
+        """``row`` starts with ``source``'s first ``length`` entries (copied on the device, every layer at once)."""
+        if length > self.max_len:
+            raise ValueError(f"a prefix of {length} tokens exceeds max_len {self.max_len}")
+        if source != row:
+            self.k_all[:, row, :, :length] = self.k_all[:, source, :, :length]
+            self.v_all[:, row, :, :length] = self.v_all[:, source, :, :length]
+        self.lens[row] = length
+
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return int(self.lens.max())
 

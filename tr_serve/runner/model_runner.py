@@ -132,6 +132,9 @@ class ModelRunner(StepRunner):
     def free(self, row: int) -> None:
         self.cache.set_length(row, 0)
 
+    def reuse_prefix(self, row: int, source: int, length: int) -> None:
+        self.cache.reuse_prefix(row, source, length)
+
     @torch.inference_mode()
     def forward(self, rows: torch.Tensor, tokens: torch.Tensor, depths: torch.Tensor, local: torch.Tensor,
                 lengths: torch.Tensor | None = None, verifying: bool = False) -> torch.Tensor:

@@ -109,6 +109,11 @@ class StepRunner(Protocol):
     def compact(self, rows: torch.Tensor, keep: list[torch.Tensor]) -> None:
         """Keep the accepted nodes' KV entries (keep[i]: row i's node indices, root first)."""
 
+    def reuse_prefix(self, row: int, source: int, length: int) -> None:
+        """``row`` (free) starts with the first ``length`` KV entries of ``source``: kept where
+        ``source`` is ``row`` (a freed row's entries stay until overwritten), else copied; its
+        length becomes ``length`` (the prefix cache, engine/prefix_cache.py)."""
+
     def prefill_step(self, rows: torch.Tensor, prompts: list[list[int]], sampling: StepSampling,
                      seed_positions: list[list[int]] | None = None) -> PrefillOutput:
         """Write the prompt chunks into ``rows``; the next token after each chunk's last position."""

@@ -67,11 +67,18 @@ class ServerMetrics:
         self.kv_usage = Gauge("tr_serve_kv_cache_usage",
                               description="Fraction of KV cache rows in use (rows used / KV rows).",
                               tag_keys=tags)
+        self.prefix_queries = Counter("tr_serve_prefix_cache_queries",
+                                      description="Prompt tokens looked up in the prefix cache.", tag_keys=tags)
+        self.prefix_hits = Counter("tr_serve_prefix_cache_hits",
+                                   description="Prompt tokens found in the prefix cache (their prefill skipped).",
+                                   tag_keys=tags)
         for m in (self.ttft, self.tpot, self.e2e, self.prompt_tokens, self.generated_tokens, self.accepted,
-                  self.tree_nodes, self.steps, self.running, self.waiting, self.kv_usage):
+                  self.tree_nodes, self.steps, self.running, self.waiting, self.kv_usage, self.prefix_queries,
+                  self.prefix_hits):
             m.set_default_tags({"model": model_id})
         self.finished.set_default_tags({"model": model_id})
         self._last: tuple = ()
+        self._prefix_seen = (0, 0)  # the engine's monotonic (queries, hits) last counted
         self._lock = threading.Lock()
 
     def on_step(self, stats: dict[str, int]) -> None:
@@ -82,10 +89,16 @@ class ServerMetrics:
     def engine_gauges(self, stats: dict[str, int]) -> None:
         load = engine_load(stats)
         key = (load["num_running"], load["num_waiting"], stats["kv_rows_used"], load["num_rows"])
+        prefix = (stats.get("prefix_cache_queries", 0), stats.get("prefix_cache_hits", 0))
         with self._lock:
-            if key == self._last:
+            seen, self._prefix_seen = self._prefix_seen, prefix
+            if key == self._last and prefix == seen:
                 return
             self._last = key
+        if prefix[0] > seen[0]:  # counters from the engine's monotonic totals, by difference
+            self.prefix_queries.inc(prefix[0] - seen[0])
+        if prefix[1] > seen[1]:
+            self.prefix_hits.inc(prefix[1] - seen[1])
         self.running.set(load["num_running"])
         self.waiting.set(load["num_waiting"])
         self.kv_usage.set(load["kv_cache_usage"])

@@ -29,9 +29,10 @@ class CompletionResponses:
         return self.choice(text, reason)
 
     def full(self, text: str, reason: Optional[str], prompt_tokens: int, completion_tokens: int,
-             tr: dict[str, Any]) -> dict[str, Any]:
+             tr: dict[str, Any], cached_tokens: int = 0) -> dict[str, Any]:
         return {"id": self.request_id, "object": self.full_object, "created": self.created, "model": self.model,
-                "choices": [self.choice(text, reason)], "usage": usage(prompt_tokens, completion_tokens), "tr": tr}
+                "choices": [self.choice(text, reason)],
+                "usage": usage(prompt_tokens, completion_tokens, cached_tokens), "tr": tr}
 
     def first_chunk(self) -> Optional[dict[str, Any]]:
         """The chunk sent once the request is accepted, before any text (none for completions)."""
@@ -49,10 +50,10 @@ class CompletionResponses:
         out.update(extra)
         return out
 
-    def usage_chunk(self, prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
+    def usage_chunk(self, prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
         """The last chunk when ``stream_options.include_usage`` asked for it."""
         return {"id": self.request_id, "object": self.chunk_object, "created": self.created, "model": self.model,
-                "choices": [], "usage": usage(prompt_tokens, completion_tokens)}
+                "choices": [], "usage": usage(prompt_tokens, completion_tokens, cached_tokens)}
 
 
 class ChatResponses(CompletionResponses):

@@ -280,7 +280,8 @@ class LLMServer:
         if last is None:
             return APIError(500, "the engine returned no output", "server_error")
         reason = last.finish_reason.value if last.finish_reason else None
-        return responses.full(last.text, reason, len(ids), len(last.token_ids), self._tr(last.stats))
+        return responses.full(last.text, reason, len(ids), len(last.token_ids), self._tr(last.stats),
+                              last.stats.cached_tokens)
 
     async def _stream(self, request: OpenAIRequest, request_id: str,
                       context: RequestContext) -> AsyncIterator[Union[dict, APIError]]:
@@ -312,4 +313,4 @@ class LLMServer:
         reason = last.finish_reason.value if last.finish_reason else None
         yield responses.chunk("", reason, tr=self._tr(last.stats))
         if responses.include_usage:
-            yield responses.usage_chunk(len(ids), len(last.token_ids))
+            yield responses.usage_chunk(len(ids), len(last.token_ids), last.stats.cached_tokens)

@@ -261,6 +261,11 @@ class TPModelRunner(StepRunner):
         self._pending.append(("free", int(row)))
         self._lens[row] = 0
 
+    def reuse_prefix(self, row: int, source: int, length: int) -> None:
+        self._raise_if_dead()
+        self._pending.append(("reuse_prefix", int(row), int(source), int(length)))
+        self._lens[row] = length
+
     def compact(self, rows: torch.Tensor, keep: list[torch.Tensor]) -> None:
         self._raise_if_dead()
         rows = rows.cpu()

@@ -199,7 +199,8 @@ class TPWorker:
 
     # ---- serving ------------------------------------------------------------------------------
     def run(self, ops: list[tuple]) -> Any:
-        """Apply ``ops`` in order: ``("free", row)``, ``("compact", rows, keep)``, then at most one
+        """Apply ``ops`` in order: ``("free", row)``, ``("compact", rows, keep)``,
+        ``("reuse_prefix", row, source, length)``, then at most one
         forward, ``("prefill_step", rows, prompts, sampling, seed_positions)`` or ``("verify_step",
         rows, tokens, depths, tree_mask, lengths, sampling)``. Rank 0 returns the forward's token
         ids (host tensors, runner/step_io.py), the others None."""
@@ -220,6 +221,8 @@ class TPWorker:
                 runner.free(op[1])
             elif kind == "compact":
                 runner.compact(op[1], op[2])
+            elif kind == "reuse_prefix":
+                runner.reuse_prefix(op[1], op[2], op[3])
             elif kind == "prefill_step":
                 _, rows, prompts, sampling, seed_positions = op
                 result = runner.prefill_step(rows, prompts, sampling, seed_positions=seed_positions)
