@@ -74,7 +74,7 @@ def _alone_references(loaded, prompts: list[list[int]], max_tokens: int) -> list
     assert max_tokens <= ALONE_TOKENS
     missing = [p for p in prompts if tuple(p) not in _alone]
     if missing:
-        llm = LLM(tree="none", loaded=loaded, max_num_seqs=1)
+        llm = LLM(tree="none", loaded=loaded, max_num_seqs=1, enable_prefix_caching=False)  # each prompt whole
         for prompt in missing:
             _alone[tuple(prompt)] = llm.generate(prompt, SamplingParams(max_tokens=ALONE_TOKENS))[0].token_ids
     return [_alone[tuple(p)][:max_tokens] for p in prompts]
