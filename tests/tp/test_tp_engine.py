@@ -142,6 +142,17 @@ def test_the_compact_decoder_over_two_ranks_decodes_as_one_process(ray_tp, token
             assert_same_or_near_tie(loaded.model, prompt, got[i], want[i], f"prompt {i}")
         assert_same_or_near_tie(loaded.model, PROMPTS[0], done["s"], want_done["s"], "sampled")
         assert want == plain
+        # prefix caching on the ranks: a next turn finds its row in place, a prompt beside it copies
+        # from that running row; the ranks' lengths follow the driver's (run checks them)
+        first, _, _ = run(engine, [PROMPTS[2]], 16)
+        turns = [PROMPTS[2] + first[0] + [7, 8], PROMPTS[2][:40] + [1, 2, 3]]
+        hits = engine.load().prefix_cache_hits
+        again, _, _ = run(engine, turns, 16)
+        assert engine.load().prefix_cache_hits - hits == 64 + 32  # 75 tokens of KV in place; 2 blocks copied
+        uncached, _, _ = run(Engine(copy.deepcopy(loaded), EngineConfig(tree="none", max_num_seqs=4, max_model_len=512,
+                                                                        decoder="compact", enable_prefix_caching=False)),
+                             turns, 16)
+        assert again == uncached
     finally:
         engine.runner.shutdown()
 
