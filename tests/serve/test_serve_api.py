@@ -115,6 +115,24 @@ def test_completion_greedy_with_usage_and_tr_extension(app):
     assert tr["tree"] == "top4"
 
 
+def test_a_second_turn_reports_its_cached_prompt_tokens(app):
+    """The first turn's row keeps its KV: the second turn (its history re-sent) prefills only what
+    is new, and says so in usage.prompt_tokens_details, streamed and not."""
+    system = {"role": "system", "content": "You answer questions about gardening in one short, plain sentence, "
+                                           "without lists, and you say so when you do not know."}
+    turn = [system, {"role": "user", "content": "When should I plant tulip bulbs?"}]
+    first = app.client.chat.completions.create(model=MODEL, messages=turn, max_tokens=12, temperature=0)
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    turn += [{"role": "assistant", "content": first.choices[0].message.content},
+             {"role": "user", "content": "And how deep?"}]
+    chunks = list(app.client.chat.completions.create(model=MODEL, messages=turn, max_tokens=4, temperature=0,
+                                                     stream=True, stream_options={"include_usage": True}))
+    streamed = chunks[-1].usage
+    assert streamed.prompt_tokens_details.cached_tokens >= first.usage.prompt_tokens // 16 * 16 > 0
+    again = app.client.chat.completions.create(model=MODEL, messages=turn, max_tokens=4, temperature=0)
+    assert again.usage.prompt_tokens_details.cached_tokens >= streamed.prompt_tokens_details.cached_tokens
+
+
 def test_completion_length_and_stop(app):
     r = app.client.completions.create(model=MODEL, prompt="1, 2, 3, 4,", max_tokens=5, temperature=0,
                                       extra_body={"ignore_eos": True})
@@ -366,7 +384,7 @@ def test_metrics_record_outside_a_replica(app):
 
     m = ServerMetrics("unit-test-model")
     calls = []  # (metric, value, tags) for every record the metrics make
-    for name in ("running", "waiting", "kv_usage", "steps", "accepted", "tree_nodes"):
+    for name in ("running", "waiting", "kv_usage", "steps", "accepted", "tree_nodes", "prefix_queries", "prefix_hits"):
         metric = getattr(m, name)
         for method in ("set", "inc", "observe"):
             real = getattr(metric, method, None)
@@ -383,6 +401,10 @@ def test_metrics_record_outside_a_replica(app):
     assert calls[4:] == [("steps", 1)]
     m.on_step({**stats, "waiting": 0, "kv_rows_used": 1})
     assert calls[5:] == [("steps", 1), ("running", 2), ("waiting", 0), ("kv_usage", 0.25)]
+    # the prefix-cache counters grow by the engine's totals' difference; the gauges stay as they were
+    m.on_step({**stats, "waiting": 0, "kv_rows_used": 1, "prefix_cache_queries": 10, "prefix_cache_hits": 4})
+    m.on_step({**stats, "waiting": 0, "kv_rows_used": 1, "prefix_cache_queries": 15, "prefix_cache_hits": 4})
+    assert calls[9:] == [("steps", 1), ("prefix_queries", 10), ("prefix_hits", 4), ("steps", 1), ("prefix_queries", 5)]
     m.accepted.observe(3)
     m.tree_nodes.observe(4)
     assert calls[-2:] == [("accepted", 3), ("tree_nodes", 4)]

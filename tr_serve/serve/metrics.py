@@ -91,18 +91,18 @@ class ServerMetrics:
         key = (load["num_running"], load["num_waiting"], stats["kv_rows_used"], load["num_rows"])
         prefix = (stats.get("prefix_cache_queries", 0), stats.get("prefix_cache_hits", 0))
         with self._lock:
-            seen, self._prefix_seen = self._prefix_seen, prefix
-            if key == self._last and prefix == seen:
-                return
+            changed = key != self._last
             self._last = key
-        if prefix[0] > seen[0]:  # counters from the engine's monotonic totals, by difference
+            seen, self._prefix_seen = self._prefix_seen, prefix
+        # the prefix-cache counters from the engine's monotonic totals, by difference
+        if prefix[0] > seen[0]:
             self.prefix_queries.inc(prefix[0] - seen[0])
         if prefix[1] > seen[1]:
             self.prefix_hits.inc(prefix[1] - seen[1])
-        self.running.set(load["num_running"])
-        self.waiting.set(load["num_waiting"])
-        self.kv_usage.set(load["kv_cache_usage"])
-
+        if changed:
+            self.running.set(load["num_running"])
+            self.waiting.set(load["num_waiting"])
+            self.kv_usage.set(load["kv_cache_usage"])
 
 def engine_load(stats: dict[str, int]) -> dict[str, int | float]:
     """The load fields of ``/v1/tr/stats`` and of the gauges, from ``AsyncEngine.stats()``:
