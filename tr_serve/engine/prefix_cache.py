@@ -3,8 +3,9 @@
 A row's KV entries stay in the cache after its request finishes; the full blocks of ``block_size``
 tokens it holds are indexed by a hash chained over the blocks before them and scoped by tenant,
 so a new request whose prompt starts with the same blocks, for the same tenant, skips their
-prefill: it takes that free row as it is (nothing moves), or, when the row is in use by a
-running request, gets the blocks copied into its own row (a copy of KV, not a forward).
+prefill: it takes a free row holding those blocks and nothing more as it is (nothing moves), or
+gets the blocks copied into a row of its own (a copy of KV, not a forward) from a running
+request's row, or from a free row that holds more (another conversation's turns, kept).
 
 Why hash chains (vLLM's block hashes, nano-vllm's block manager): block ``i``'s hash covers
 every token before it, so one dict lookup per block finds the longest cached prefix, and a row
@@ -91,10 +92,13 @@ class PrefixCache:
         for i in range(len(hashes) - 1, -1, -1):
             rows = self._rows_of.get(hashes[i])
             if rows:
-                free = [r for r in rows if r in self._freed_at]
-                source, blocks = (min(free) if free else min(rows)), i + 1
+                # a free row holding these blocks and nothing more is taken as it is; else the
+                # blocks are copied, so a row holding more (another conversation) keeps it
+                free = sorted(rows & self._freed_at.keys(), key=lambda r: (len(self._held[r]), r))
+                source, blocks = (free[0] if free else min(rows)), i + 1
                 break
-        row = source if source in self._freed_at else self._victim()
+        in_place = source in self._freed_at and (len(self._held[source]) == blocks or len(self._freed_at) == 1)
+        row = source if in_place else self._victim(avoid=source)
         del self._freed_at[row]
         self._drop(row, keep=blocks if row == source else 0)
         if blocks and row != source:  # copied in at admission: this row holds them too
@@ -118,12 +122,14 @@ class PrefixCache:
         return len(self._held[row])
 
     # ---- internals ------------------------------------------------------------------------------
-    def _victim(self) -> int:
-        """The free row to overwrite: one holding nothing (the lowest), else the least recently freed."""
-        empty = [r for r in self._freed_at if not self._held[r]]
+    def _victim(self, avoid: int = -1) -> int:
+        """The free row to overwrite (not ``avoid``, a copy's source, while another is free): one
+        holding nothing (the lowest), else the least recently freed."""
+        rows = [r for r in self._freed_at if r != avoid] or list(self._freed_at)
+        empty = [r for r in rows if not self._held[r]]
         if empty:
             return min(empty)
-        return min(self._freed_at, key=lambda r: (self._freed_at[r], r))
+        return min(rows, key=lambda r: (self._freed_at[r], r))
 
     def _hold(self, row: int, hashes: list[bytes]) -> None:
         self._held[row] = list(hashes)
