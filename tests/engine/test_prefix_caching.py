@@ -70,3 +70,22 @@ def test_another_tenant_finds_nothing_and_its_own_finds_its_turn(loaded):
     assert run("alice") == 0
     assert run("bob") == 0  # alice's blocks, the same prompt: not bob's
     assert run("alice") == (len(prompt) - 1) // 16 * 16
+
+
+def test_a_row_written_outside_the_engine_is_not_reused(loaded):
+    """The latency calibration runs its forwards on free rows (runner/calibration.py): what they
+    held is then not findable, and the next request prefills its prompt whole."""
+    import torch
+
+    from tr_serve.runner.step_io import StepSampling
+
+    llm = LLM(tree="auto", loaded=loaded, max_num_seqs=1)
+    prompt = encode_prompt(llm.tokenizer, _messages(QUESTIONS[1]))
+    first = llm.generate(prompt, SamplingParams(max_tokens=8))[0]
+    assert llm.generate(prompt, SamplingParams(max_tokens=8))[0].stats.cached_tokens > 0
+    runner = llm.engine.runner
+    runner.free(0)
+    runner.prefill_step(torch.tensor([0]), [list(range(10, 10 + len(prompt)))], StepSampling((None,)))
+    runner.free(0)
+    again = llm.generate(prompt, SamplingParams(max_tokens=8))[0]
+    assert again.stats.cached_tokens == 0 and again.token_ids == first.token_ids

@@ -81,7 +81,9 @@ def test_on_the_embedded_model_a_tenants_answer_reaches_the_next_replica_for_it_
 
     monkeypatch.setattr(fleet_actor, "atexit", SimpleNamespace(register=lambda *a, **kw: None))
     cfg = FleetSyncConfig(enabled=True, namespace="unit", snapshot_dir=str(tmp_path), snapshot_interval_s=3600)
-    config = EngineConfig(model=loaded.model_id, tree=TREE, max_num_seqs=2, max_model_len=1024)
+    # no prefix caching: A's second request prefills its whole prompt (and seeds from it) as B's first does
+    config = EngineConfig(model=loaded.model_id, tree=TREE, max_num_seqs=2, max_model_len=1024,
+                          enable_prefix_caching=False)
     engines, syncs = [], []
     for name in ("A", "B", "C"):
         engines.append(Engine(loaded, config))

@@ -82,6 +82,7 @@ class Engine:
         self.timer = timer or PhaseTimer(self.runner.device, enabled=False)
         self.scheduler = Scheduler(self.num_rows, config.max_prefill_tokens, config.enable_prefix_caching,
                                    config.block_size)
+        self._forwards = self.runner.forwards  # the runner's forwards this engine knows of
 
     def _seed_prior(self, loaded: LoadedModel) -> None:
         """The matrix's empty rows from the model's prior (runner/matrix_prior.py)."""
@@ -147,6 +148,8 @@ class Engine:
         """Schedule, then one forward: a prefill chunk, or one draft tree per decoding row (the
         scheduler alternates them while prompts are being prefilled); then the stop rules."""
         self._retire(self.scheduler.finished_in_rows())
+        if self.runner.forwards != self._forwards:  # another caller (the latency calibration) wrote free rows
+            self.scheduler.prefix_cache.forget_free_rows()
         for req, placement in self.scheduler.admit():
             if placement.cached:  # the prompt's cached blocks: its prefill starts after them
                 self.runner.reuse_prefix(placement.row, placement.source, placement.cached)
@@ -193,6 +196,7 @@ class Engine:
         seeds = self.speculator.seed_positions(chunks)
         with self.timer.phase("prefill"):
             out = self.runner.prefill_step(rows, chunks, self._sampling(batch), seed_positions=seeds)
+        self._forwards = self.runner.forwards
         starts = [r.num_prefilled for r in batch]
         for req, chunk in zip(batch, chunks):
             req.num_prefilled += len(chunk)
@@ -216,6 +220,7 @@ class Engine:
         with self.timer.phase("forward"):
             out = self.runner.verify_step(rows, draft.tokens, draft.depths, draft.mask, draft.lengths,
                                           self._sampling(batch))
+        self._forwards = self.runner.forwards
         with self.timer.phase("accept"):
             acceptance = self.speculator.accept(draft, out, started)
         with self.timer.phase("compact"):

@@ -118,6 +118,11 @@ class PrefixCache:
             self._drop(row, keep=0)
         self._freed_at[row] = next(self._clock)
 
+    def forget_free_rows(self) -> None:
+        """Every free row's blocks are no longer findable (something else wrote those rows)."""
+        for row in self._freed_at:
+            self._drop(row, keep=0)
+
     def cached_blocks(self, row: int) -> int:
         return len(self._held[row])
 

@@ -114,6 +114,7 @@ class DecoderRunner(StepRunner):
         self.num_rows = num_rows
         self.max_len = max_len
         self.kernel_plan = None
+        self.forwards = 0
         self.compiled = compile
         self.emits = emits
         self.sink = num_rows  # the cache row padding writes into
@@ -225,6 +226,7 @@ class DecoderRunner(StepRunner):
                           picks=token_bucket(len(picks), None, MIN_PICKS),  # a prefill's seeds repeat its last position
                           moves=bucket(len(self._moves), None, MIN_PICKS) if self._moves else 0,
                           k=sampling.recycle_k, causal=local is None, greedy=greedy)
+        self.forwards += 1
         buffer = self._pack(shape, rows, tokens, depths, local, lengths, picks)
         device_buffer = buffer.to(self.device, non_blocking=True)  # the step's one copy to the device
         self._moves = []

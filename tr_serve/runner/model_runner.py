@@ -114,6 +114,7 @@ class ModelRunner(StepRunner):
         self.dtype = next(model.parameters()).dtype
         self.vocab_size = cfg.vocab_size
         self.max_len = max_len
+        self.forwards = 0
         _, kv_heads, head_dim = attention_shape(cfg)
         self.cache = SlotKVCache(cfg.num_hidden_layers, num_rows, max_len, kv_heads, head_dim, self.dtype, self.device)
         self._draft_head: torch.Tensor | bool | None = None  # see draft_logits; built at first use
@@ -152,6 +153,7 @@ class ModelRunner(StepRunner):
         wider than a prefill's (``tree_attention.takes``)."""
         b, q = tokens.shape
         real = real_positions(lengths, q)
+        self.forwards += 1
         starts = self.cache.begin_step(rows, q)
         positions = (starts[:, None] + depths).to(self.device)
         widths = lengths.tolist() if lengths is not None else None  # real tokens per row

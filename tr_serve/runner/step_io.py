@@ -99,6 +99,7 @@ class StepRunner(Protocol):
     num_rows: int  # KV-cache rows, each of ``max_len`` tokens
     max_len: int
     kernel_plan: object  # the linear kernels the forwards use, or None (the calibration's key)
+    forwards: int  # forwards run so far, whoever asked: each writes KV into its rows
 
     def length(self, row: int) -> int:
         ...

@@ -142,6 +142,7 @@ class TPModelRunner(StepRunner):
         self.num_rows: int | None = None
         self.max_len: int | None = None
         self.kernel_plan: TPKernels | None = None
+        self.forwards = 0
         self.device_name: str | None = None
         self._lens: torch.Tensor | None = None
         self.gpu_placements: list[GPUPlacement] = []  # per rank, on CUDA
@@ -337,6 +338,7 @@ class TPModelRunner(StepRunner):
 
         self._raise_if_dead()
         ops, self._pending = self._pending + [op], []
+        self.forwards += 1
         t0 = time.perf_counter()
         payload = ray.put(ops)
         result = self._gather([w.run.remote(payload) for w in self.workers], self.step_timeout_s, "step",
