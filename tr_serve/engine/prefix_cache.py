@@ -26,8 +26,8 @@ cached and prefills [11, 12].
 from __future__ import annotations
 
 import hashlib
-from array import array
 import itertools
+from array import array
 from dataclasses import dataclass
 
 DEFAULT_BLOCK_SIZE = 16  # tokens per hashed block (vLLM's default block size)
@@ -65,8 +65,6 @@ class PrefixCache:
     blocks until the row is given to another request."""
 
     def __init__(self, num_rows: int, block_size: int = DEFAULT_BLOCK_SIZE, enabled: bool = True):
-        if block_size < 1:
-            raise ValueError(f"block_size must be >= 1, got {block_size}")
         self.num_rows = num_rows
         self.block_size = block_size
         self.enabled = enabled
@@ -122,9 +120,6 @@ class PrefixCache:
         """Every free row's blocks are no longer findable (something else wrote those rows)."""
         for row in self._freed_at:
             self._drop(row, keep=0)
-
-    def cached_blocks(self, row: int) -> int:
-        return len(self._held[row])
 
     # ---- internals ------------------------------------------------------------------------------
     def _victim(self, avoid: int = -1) -> int:

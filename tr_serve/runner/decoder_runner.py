@@ -153,8 +153,7 @@ class DecoderRunner(StepRunner):
         """The pending compaction moves now, outside a step (a prefix copy is about to read them)."""
         if self._moves:
             moves = torch.tensor(self._moves, dtype=torch.long).to(self.device)
-            for cache in (self.k_cache, self.v_cache):
-                cache[:, moves[:, 1]] = cache[:, moves[:, 0]]
+            move_entries(self.k_cache, self.v_cache, moves[:, 0], moves[:, 1])
             self._moves = []
 
     def compact(self, rows: torch.Tensor, keep: list[torch.Tensor]) -> None:
@@ -293,9 +292,7 @@ class DecoderRunner(StepRunner):
         def step(buffer: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
             f = unpack_fields(buffer, layout)
             if shape.moves:  # the last compaction's moves, every layer at once, before this step writes
-                src, dst = f["move_src"].long(), f["move_dst"].long()
-                for cache in (k_cache, v_cache):
-                    cache[:, dst] = cache[:, src]
+                move_entries(k_cache, v_cache, f["move_src"].long(), f["move_dst"].long())
             if shape.causal:
                 local = torch.ones(shape.queries, shape.queries, dtype=torch.bool, device=buffer.device).tril()
                 local = local[None].expand(shape.rows, shape.queries, shape.queries)
@@ -331,6 +328,13 @@ class DecoderRunner(StepRunner):
 
         self._graphs[shape] = first_call
         return first_call
+
+
+def move_entries(k_cache: torch.Tensor, v_cache: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
+    """K/V entries at flat slots ``src`` [m] copied to ``dst`` [m], every layer at once; the
+    right-hand side is gathered whole before the scatter, so overlapping moves are safe."""
+    for cache in (k_cache, v_cache):  # [layers, slots, kv_heads, head_dim]
+        cache[:, dst] = cache[:, src]
 
 
 def _padded(a: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
