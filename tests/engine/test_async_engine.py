@@ -19,7 +19,7 @@ from tr_serve.sampling_params import SamplingParams
 @pytest.fixture
 def async_engine(tokenizer):
     engine = AsyncEngine(Engine(tiny_loaded(tokenizer), EngineConfig(model="tiny", tree="top8", max_num_seqs=6,
-                                                                     max_model_len=128, max_prefill_tokens=32)))
+                                                                     max_model_len=128, max_num_batched_tokens=32)))
     yield engine
     engine.shutdown()
 

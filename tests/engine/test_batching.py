@@ -35,7 +35,7 @@ def test_eight_concurrent_requests_equal_each_alone(loaded, spec_bench_rows, tre
     assert len({len(p) for p in prompts}) > 4, "mixed prompt lengths"
     params = SamplingParams(max_tokens=24)
     # small prefill chunks so long prompts are split and interleaved with decoding rows
-    batched = LLM(tree=tree, loaded=loaded, max_num_seqs=8, max_prefill_tokens=96).generate(prompts, params)
+    batched = LLM(tree=tree, loaded=loaded, max_num_seqs=8, max_num_batched_tokens=96).generate(prompts, params)
     _assert_each_equals_alone(loaded, prompts, batched, params)
 
 
@@ -47,7 +47,7 @@ def test_lean_steps_are_lossless(loaded, spec_bench_rows):
 
     prompts = [encode_prompt(loaded.tokenizer, chat(r["turns"][0])) for r in _first_per_category(spec_bench_rows, 8)]
     params = SamplingParams(max_tokens=32)
-    llm = LLM(tree="auto", loaded=loaded, max_num_seqs=8, max_prefill_tokens=96)
+    llm = LLM(tree="auto", loaded=loaded, max_num_seqs=8, max_num_batched_tokens=96)
     llm.engine.matrix.streak.fill_(CONFIDENT_STREAK)  # every row confident: rows with no context match get chains
     budget = llm.engine.speculator.drafter.budget
     budget.template_use = 0.0  # as after a run of plans that bought no template node
@@ -92,7 +92,7 @@ def _assert_each_equals_alone(loaded, prompts, batched, params) -> None:
 def test_chunked_prefill_matches_generate(loaded, spec_bench_rows):
     long = next(r for r in spec_bench_rows if len(r["turns"][0]) > 2000)
     ids = encode_prompt(loaded.tokenizer, chat(long["turns"][0]))
-    out = LLM(tree="top4", loaded=loaded, max_num_seqs=2, max_prefill_tokens=128).generate(ids, SamplingParams(max_tokens=16))
+    out = LLM(tree="top4", loaded=loaded, max_num_seqs=2, max_num_batched_tokens=128).generate(ids, SamplingParams(max_tokens=16))
     ref = loaded.model.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=16)[0, len(ids):].tolist()
     assert len(ids) > 3 * 128
     assert out[0].token_ids == ref

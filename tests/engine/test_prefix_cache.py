@@ -121,7 +121,7 @@ def _request(request_id: str, prompt: list[int], learn: bool = True, tenant: str
 
 
 def test_the_scheduler_starts_a_prefill_after_its_cached_prefix():
-    s = Scheduler(num_rows=2, max_prefill_tokens=100, block_size=2)
+    s = Scheduler(num_rows=2, max_num_batched_tokens=100, block_size=2)
     first = _request("a", [1, 2, 3, 4, 5])
     s.add(first)
     s.admit()
@@ -139,7 +139,7 @@ def test_the_scheduler_starts_a_prefill_after_its_cached_prefix():
 
 @pytest.mark.parametrize("learn, reason", [(False, FinishReason.STOP), (True, FinishReason.ERROR)])
 def test_a_row_that_must_not_teach_keeps_nothing_findable(learn, reason):
-    s = Scheduler(num_rows=2, max_prefill_tokens=100, block_size=2)
+    s = Scheduler(num_rows=2, max_num_batched_tokens=100, block_size=2)
     first = _request("a", [1, 2, 3, 4, 5], learn=learn)
     s.add(first)
     s.admit()
@@ -152,7 +152,7 @@ def test_a_row_that_must_not_teach_keeps_nothing_findable(learn, reason):
 
 
 def test_prefix_caching_off_finds_nothing():
-    s = Scheduler(num_rows=2, max_prefill_tokens=100, prefix_caching=False, block_size=2)
+    s = Scheduler(num_rows=2, max_num_batched_tokens=100, prefix_caching=False, block_size=2)
     first = _request("a", [1, 2, 3, 4, 5])
     s.add(first)
     s.admit()

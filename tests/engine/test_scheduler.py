@@ -1,4 +1,4 @@
-"""The scheduler alone (no model, no torch): admission, prefill chunks, alternation, row order,
+"""The scheduler alone (no model, no torch): admission, prefill chunks under the step's token budget, row order,
 retirement and abort."""
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ def test_the_scheduler_imports_no_torch(name):
 
 
 def test_admission_in_arrival_order_to_the_lowest_free_rows():
-    s = Scheduler(num_rows=2, max_prefill_tokens=100)
+    s = Scheduler(num_rows=2, max_num_batched_tokens=100)
     for i in range(3):
         s.add(request(f"r{i}"))
     admitted = s.admit()
@@ -41,14 +41,14 @@ def test_admission_in_arrival_order_to_the_lowest_free_rows():
 
 
 def test_duplicate_request_id_is_refused():
-    s = Scheduler(num_rows=1, max_prefill_tokens=8)
+    s = Scheduler(num_rows=1, max_num_batched_tokens=8)
     s.add(request("a"))
     with pytest.raises(ValueError, match="already in use"):
         s.add(request("a"))
 
 
 def test_prefill_chunks_fill_the_token_budget_in_order():
-    s = Scheduler(num_rows=3, max_prefill_tokens=10)
+    s = Scheduler(num_rows=3, max_num_batched_tokens=10)
     for rid, n in (("a", 6), ("b", 7), ("c", 3)):
         s.add(request(rid, n))
     s.admit()
@@ -61,7 +61,7 @@ def test_prefill_chunks_fill_the_token_budget_in_order():
 def test_a_half_prefilled_request_on_a_high_row_runs_in_row_order():
     """The budget goes in admission order; the forward gets the chunks in row order (the runner's
     segment layout needs ascending rows)."""
-    s = Scheduler(num_rows=3, max_prefill_tokens=16)
+    s = Scheduler(num_rows=3, max_num_batched_tokens=16)
     for rid, n in (("a", 4), ("b", 4), ("c", 12)):
         s.add(request(rid, n))
     s.admit()  # a: row 0, b: row 1, c: row 2
@@ -76,24 +76,26 @@ def test_a_half_prefilled_request_on_a_high_row_runs_in_row_order():
     assert [(c.request.request_id, c.request.row, len(c.tokens)) for c in chunks] == [("d", 0, 3), ("c", 2, 4)]
 
 
-def test_prefill_and_decode_alternate_and_decode_runs_in_row_order():
-    s = Scheduler(num_rows=4, max_prefill_tokens=100)
-    for rid in ("a", "b", "c"):
-        s.add(request(rid))
+def test_decode_runs_in_row_order_and_prompts_take_what_the_budget_leaves():
+    s = Scheduler(num_rows=4, max_num_batched_tokens=10)
+    for rid, n in (("a", 4), ("b", 30), ("c", 4)):
+        s.add(request(rid, n))
     s.admit()
-    assert s.prefill_turn()
     for c in s.prefill_chunks():
-        c.request.num_prefilled = len(c.request.prompt_ids)
+        c.request.num_prefilled += len(c.tokens)  # a and c complete, b 2 of 30
     for rid in ("c", "a"):  # done out of row order
         s.start_decoding(next(r for r in s.prefilling if r.request_id == rid))
     assert s.prefilling[0].request_id == "b" and [r.request_id for r in s.running] == ["c", "a"]
-    assert not s.prefill_turn()  # a decode step is due after a prefill step
     assert [r.row for r in s.decode_batch()] == [0, 2]
-    assert s.prefill_turn()  # ... then the prefill again
+    assert [len(c.tokens) for c in s.prefill_chunks(decode_tokens=3)] == [7]  # the budget's rest
+    assert [len(c.tokens) for c in s.prefill_chunks(decode_tokens=12)] == [1]  # trees fill it: still progress
+    assert [s.prefill_budget(n) for n in (0, 3, 9, 10, 40)] == [10, 7, 1, 1, 1]
+    mixed = Scheduler(num_rows=1, max_num_batched_tokens=10, mixed_prefill_tokens=4)
+    assert [mixed.prefill_budget(n) for n in (0, 3, 7, 9, 40)] == [10, 4, 3, 1, 4]
 
 
 def test_retire_frees_rows_sorted_and_abort():
-    s = Scheduler(num_rows=3, max_prefill_tokens=100)
+    s = Scheduler(num_rows=3, max_num_batched_tokens=100)
     reqs = [request(f"r{i}") for i in range(4)]
     for r in reqs:
         s.add(r)

@@ -144,13 +144,13 @@ def test_engine_options_pass_through():
 
     assert TRServeConfig.from_args({}).engine_config() == EngineConfig()  # engine defaults kept
     assert EngineConfig().tree == "auto"
-    cfg = TRServeConfig.from_args({"model": "m", "engine_kwargs": {"budget": "auto", "max_prefill_tokens": 64,
+    cfg = TRServeConfig.from_args({"model": "m", "engine_kwargs": {"budget": "auto", "max_num_batched_tokens": 64,
                                                                    "kv_cache_memory_gb": 0.5, "cpu_kernels": "torch",
                                                                    "online_latency": False}})
     e = cfg.engine_config()
-    assert (e.budget, e.max_prefill_tokens, e.kv_cache_memory_gb, e.cpu_kernels) == ("auto", 64, 0.5, "torch")
+    assert (e.budget, e.max_num_batched_tokens, e.kv_cache_memory_gb, e.cpu_kernels) == ("auto", 64, 0.5, "torch")
     assert (e.model, e.online_latency) == ("m", False)
-    for bad, key in (({"budget": "smart"}, "budget"), ({"max_prefill_tokens": 0}, "max_prefill_tokens"),
+    for bad, key in (({"budget": "smart"}, "budget"), ({"max_num_batched_tokens": 0}, "max_num_batched_tokens"),
                      ({"kv_cache_memory_gb": 0}, "kv_cache_memory_gb"), ({"cpu_kernels": "fast"}, "cpu_kernels")):
         with pytest.raises(ConfigError, match=key):
             TRServeConfig.from_args({"engine_kwargs": bad})

@@ -16,6 +16,14 @@ DEFAULT_MODEL = EMBEDDED_ALIAS
 CPU_KERNEL_MODES = ("auto", "torch")  # measured kernel per token count (kernels/cpu_kernels.py), or F.linear
 DECODERS = ("auto", "compact", "transformers")
 DEVICE = re.compile(r"^(cpu|mps|cuda(:\d+)?)$")
+# max_num_batched_tokens when none is set: a prefill chunk on a CPU (a chunk's tokens cost about the
+# same each from a few dozen up); vLLM's default for chunked prefill on CUDA
+DEFAULT_BATCHED_TOKENS = {"cpu": 512, "cuda": 2048}
+# prompt tokens a step that decodes prefills beside its trees: a forward of this many tokens costs
+# little more than reading the weights once (FLOPs over memory bandwidth: ~10 tokens on a CPU, a
+# few hundred on a GPU), so the step's prefill forward takes about what its verification does and
+# a long prompt slows the streams beside it by about 2x at most, instead of stalling them
+MIXED_PREFILL_TOKENS = {"cpu": 8, "cuda": 256}
 
 
 @dataclass(frozen=True)
@@ -55,7 +63,10 @@ class EngineConfig:
     # (runner/matrix_prior.py: computed once per model, then read from the user cache); in-process
     # runners only (a tensor-parallel replica starts from the fleet's snapshot)
     matrix_prior: bool = True
-    max_prefill_tokens: int = 512  # prompt tokens per prefill step (chunked prefill)
+    # tokens one step's forwards take: its decode rows' tree nodes first, then chunks of pending
+    # prompts (chunked prefill; beside decode rows MIXED_PREFILL_TOKENS at most);
+    # None: the device's default (DEFAULT_BATCHED_TOKENS)
+    max_num_batched_tokens: int | None = None
     kv_cache_memory_gb: float | None = None  # caps rows x max_model_len; None = max_num_seqs rows
     budget: str = "fixed"
     online_latency: bool = True  # budget "auto": correct the calibrated latency with measured steps
@@ -94,8 +105,8 @@ class EngineConfig:
             raise ValueError(f"tenant_matrix_rows must be >= 1, got {self.tenant_matrix_rows}")
         if self.block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {self.block_size}")
-        if self.max_prefill_tokens < 1:
-            raise ValueError(f"max_prefill_tokens must be >= 1, got {self.max_prefill_tokens}")
+        if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
         if self.kv_cache_memory_gb is not None and self.kv_cache_memory_gb <= 0:
             raise ValueError(f"kv_cache_memory_gb must be > 0, got {self.kv_cache_memory_gb}")
         try:
@@ -115,6 +126,22 @@ class EngineConfig:
 
         if not isinstance(self.dtype, torch.dtype):  # load_model takes a torch dtype too
             parse_dtype(self.dtype, self.device)  # ValueError for an unknown name
+
+    @property
+    def batched_tokens(self) -> int:
+        """``max_num_batched_tokens``, or the device's default."""
+        if self.max_num_batched_tokens is not None:
+            return self.max_num_batched_tokens
+        return DEFAULT_BATCHED_TOKENS[self._device_kind]
+
+    @property
+    def mixed_prefill_tokens(self) -> int:
+        """Prompt tokens a step that decodes prefills beside its trees (MIXED_PREFILL_TOKENS)."""
+        return MIXED_PREFILL_TOKENS[self._device_kind]
+
+    @property
+    def _device_kind(self) -> str:
+        return "cuda" if str(self.device).startswith("cuda") else "cpu"
 
     @property
     def speculative(self) -> bool:

@@ -1,7 +1,8 @@
 """The decoding engine: ``step()`` = schedule -> propose -> verify -> accept -> stop rules.
 
-A step either prefills newly admitted requests (one ragged forward) or verifies one draft tree per
-running request (one forward for the whole batch). Token Recycling lives behind the speculator
+A step verifies one draft tree per running request (one forward for the whole batch) and, beside
+it, prefills chunks of admitted prompts (one ragged forward) under the step's token budget
+(``max_num_batched_tokens``: the trees' nodes first). Token Recycling lives behind the speculator
 (tr/speculator.py); this file wires it to the scheduler, the runner and the requests' stop rules.
 """
 
@@ -31,6 +32,7 @@ from tr_serve.runner.factory import local_runner
 from tr_serve.runner.sampler import request_seed
 from tr_serve.runner.step_io import RowSampler, StepRunner, StepSampling
 from tr_serve.sampling_params import SamplingParams
+from tr_serve.tr.draft import DraftBatch
 from tr_serve.tr.speculator import AdjacencyMatrix, Speculator
 
 _ids = itertools.count()
@@ -80,8 +82,8 @@ class Engine:
         self.matrix, self.suffix = self.speculator.matrix, self.speculator.suffix
         self.tenant_matrices = self.speculator.tenant_rows
         self.timer = timer or PhaseTimer(self.runner.device, enabled=False)
-        self.scheduler = Scheduler(self.num_rows, config.max_prefill_tokens, config.enable_prefix_caching,
-                                   config.block_size)
+        self.scheduler = Scheduler(self.num_rows, config.batched_tokens, config.enable_prefix_caching,
+                                   config.block_size, config.mixed_prefill_tokens)
         self._forwards = self.runner.forwards  # the runner's forwards this engine knows of
 
     def _seed_prior(self, loaded: LoadedModel) -> None:
@@ -145,8 +147,8 @@ class Engine:
 
     # ---- one step -------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Schedule, then one forward: a prefill chunk, or one draft tree per decoding row (the
-        scheduler alternates them while prompts are being prefilled); then the stop rules."""
+        """Schedule; draft a tree per decoding row; prefill what the token budget leaves beside the
+        trees' nodes (one forward), then verify the trees (one forward); then the stop rules."""
         self._retire(self.scheduler.finished_in_rows())
         if self.runner.forwards != self._forwards:  # another caller (the latency calibration) wrote free rows
             self.scheduler.prefix_cache.forget_free_rows()
@@ -154,14 +156,18 @@ class Engine:
             if placement.cached:  # the prompt's cached blocks: its prefill starts after them
                 self.runner.reuse_prefix(placement.row, placement.source, placement.cached)
             self.speculator.admit(req)
-        if self.scheduler.prefill_turn():
-            batch = self._prefill(self.scheduler.prefill_chunks())
-            batch = [r for r in batch if r.output_ids or r.finished]  # prompt complete, or failed
-        else:
-            batch = self.scheduler.decode_batch()
-            if not batch:
-                return []
-            self._decode(batch)
+        decoding = self.scheduler.decode_batch()
+        draft = None
+        if decoding:
+            with self.timer.phase("propose"):
+                draft = self.speculator.propose(decoding)
+        plan = self.scheduler.prefill_chunks(draft.num_inputs if draft is not None else 0)
+        batch = []
+        if plan:  # first: the rows that complete their prompt here decode from the next step
+            batch = [r for r in self._prefill(plan) if r.output_ids or r.finished]  # prompt complete, or failed
+        if draft is not None:
+            self._decode(decoding, draft)
+            batch += decoding
         outputs = [self._output(r) for r in batch]
         self._retire([r for r in batch if r.finished])
         return outputs
@@ -211,11 +217,9 @@ class Engine:
                         append_token(req, int(out.last.choices[i]), self.eos_ids, self._context_full(req))
         return batch
 
-    def _decode(self, batch: list[Request]) -> None:
-        """Propose -> verify (one forward) -> accept -> keep the accepted KV -> recycle -> stop rules."""
+    def _decode(self, batch: list[Request], draft: DraftBatch) -> None:
+        """Verify ``draft`` (one forward) -> accept -> keep the accepted KV -> recycle -> stop rules."""
         rows = torch.tensor([r.row for r in batch])
-        with self.timer.phase("propose"):
-            draft = self.speculator.propose(batch)
         started = time.perf_counter()
         with self.timer.phase("forward"):
             out = self.runner.verify_step(rows, draft.tokens, draft.depths, draft.mask, draft.lengths,

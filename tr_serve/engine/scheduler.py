@@ -1,9 +1,11 @@
 """Which requests hold a KV-cache row, and what the next engine step runs (no torch here).
 
 nano-vllm's shape: requests wait in arrival order, are admitted to a free cache row, prefill their
-prompt in chunks, decode, and are retired (their row freed) once finished. A step is either one
-prefill chunk or one decode step over every running request; while prompts are being prefilled,
-the two alternate, so running requests keep streaming behind a long prompt.
+prompt in chunks, decode, and are retired (their row freed) once finished. A step carries every
+running request's tree and, beside them, chunks of pending prompts under one token budget
+(``max_num_batched_tokens``): the decode rows' tokens first, then prompt chunks, beside decode rows
+only a few (``mixed_prefill_tokens``), so a step takes about twice a decode step at most and
+running requests keep streaming while a long prompt prefills.
 
 The engine runs the model over the batches this returns and reports back ``start_decoding`` (a
 prompt is complete) and ``retire`` (requests that finished); freeing a row in the model runner
@@ -40,15 +42,17 @@ class Scheduler:
     holding nothing cached (which keeps the running rows packed at the start of the cache), else
     the least recently freed one."""
 
-    def __init__(self, num_rows: int, max_prefill_tokens: int, prefix_caching: bool = True,
-                 block_size: int = DEFAULT_BLOCK_SIZE):
+    def __init__(self, num_rows: int, max_num_batched_tokens: int, prefix_caching: bool = True,
+                 block_size: int = DEFAULT_BLOCK_SIZE, mixed_prefill_tokens: int | None = None):
+        """``mixed_prefill_tokens``: prompt tokens a step that decodes prefills at most (None: what
+        the budget leaves)."""
         self.num_rows = num_rows
-        self.max_prefill_tokens = max_prefill_tokens
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.mixed_prefill_tokens = mixed_prefill_tokens
         self.waiting: deque[Request] = deque()
         self.prefilling: list[Request] = []  # admitted, prompt not yet fully in the KV cache
         self.running: list[Request] = []  # decoding
         self.prefix_cache = PrefixCache(num_rows, block_size, enabled=prefix_caching)
-        self._decode_turn = False
         self._by_id: dict[str, Request] = {}
 
     # ---- requests -----------------------------------------------------------------------------
@@ -96,21 +100,30 @@ class Scheduler:
             admitted.append((req, placement))
         return admitted
 
-    def prefill_turn(self) -> bool:
-        """True when this step prefills; decode and prefill alternate while both have work."""
-        return bool(self.prefilling) and not (self.running and self._decode_turn)
+    def prefill_budget(self, decode_tokens: int) -> int:
+        """Prompt tokens a step may prefill beside ``decode_tokens`` tokens of decode rows: the
+        budget's rest, at most ``mixed_prefill_tokens``, and at least one token (or
+        ``mixed_prefill_tokens``) where the trees fill the budget, so a prompt always progresses.
 
-    def prefill_chunks(self) -> list[PrefillChunk]:
-        """The next prompt chunk of as many prefilling requests as ``max_prefill_tokens`` allows,
-        the budget going in admission order; returned in cache-row order.
+        Example: budget 512, mixed 8: prefill_budget(0) -> 512; prefill_budget(3) -> 8;
+        budget 64, mixed None: prefill_budget(24) -> 40; prefill_budget(200) -> 1."""
+        if decode_tokens == 0:
+            return self.max_num_batched_tokens
+        rest = self.max_num_batched_tokens - decode_tokens
+        if self.mixed_prefill_tokens is None:
+            return max(rest, 1)
+        return self.mixed_prefill_tokens if rest <= 0 else min(rest, self.mixed_prefill_tokens)
+
+    def prefill_chunks(self, decode_tokens: int = 0) -> list[PrefillChunk]:
+        """The next prompt chunk of as many prefilling requests as :meth:`prefill_budget` allows
+        beside ``decode_tokens``, the budget going in admission order; returned in cache-row order.
 
         Why row order: the runner attends over segments of ascending rows and falls back to a
         padded layout (every row padded to the longest chunk, a full mask) for rows out of order.
         A request left half-prefilled by the budget can hold a higher row than one admitted after
         it, so admission order alone sent such steps down the padded path (in a 16-client
         simulation of the scheduler, 10 of 205 prefill steps, 7% of the prompt tokens)."""
-        self._decode_turn = True
-        budget = self.max_prefill_tokens
+        budget = self.prefill_budget(decode_tokens)
         chunks = []
         for req in self.prefilling:
             if budget <= 0:
@@ -122,9 +135,7 @@ class Scheduler:
 
     def decode_batch(self) -> list["Request"]:
         """Every running request, in cache-row order (consecutive rows attend through a view of
-        the cache, not a copy); empty when nothing runs (the step does nothing)."""
-        if self.running:
-            self._decode_turn = False
+        the cache, not a copy); empty when nothing runs."""
         return sorted(self.running, key=lambda r: r.row)
 
     def start_decoding(self, req: "Request") -> None:

@@ -35,8 +35,8 @@ from tr_serve.kernels.kernel_timing import Timings, WorkClock, one_thread, time_
 
 logger = logging.getLogger(__name__)
 
-# token counts measured; above the last: torch. 256 and 512 are prefill chunks (the engine's default
-# max_prefill_tokens is 512): measured here through the runner, whole prefill forwards of 150-512
+# token counts measured; above the last: torch. 256 and 512 are prefill chunks (a step's
+# max_num_batched_tokens set that high): measured here through the runner, whole prefill forwards of 150-512
 # prompt tokens (one to four prompts) took 1.01-1.22x as long with torch's linear as with the panel GEMM
 POINTS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 256, 512)
 # part of the cache key: bump it whenever a kernel or the plan's rules change what a plan would pick,
