@@ -120,7 +120,7 @@ def test_lossless_step_attention(loaded, bench_prompts, references, tree, rows, 
     calls = []
     attend = StepAttention.attend_packed
     monkeypatch.setattr(StepAttention, "attend_packed", lambda self, *a: (calls.append(len(self.rows)), attend(self, *a))[1])
-    llm = LLM(tree=tree, loaded=loaded, max_num_seqs=rows, cpu_kernels="torch", max_num_batched_tokens=96)
+    llm = LLM(tree=tree, loaded=loaded, max_num_seqs=rows, cpu_kernels="torch", max_num_batched_tokens=2048)
     runner = llm.engine.runner
     assert not runner.tree_attention and runner.step_backend == "rows"
     chosen = list(zip(bench_prompts, references))[: NUM_COLD if rows == 1 else None]

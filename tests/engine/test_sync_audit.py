@@ -60,7 +60,7 @@ def test_one_sync_per_engine_step(tokenizer, tmp_path, monkeypatch, tree, rows, 
     with audit:  # the KV cache is made on the audited device
         engine = Engine(loaded, EngineConfig(model="tiny", tree=tree, budget="auto" if tree == "auto" else "fixed",
                                              max_num_seqs=ROWS, max_model_len=128, cpu_kernels="torch",
-                                             matrix_prior=False), runner=runner)
+                                             matrix_prior=False, max_num_batched_tokens=64), runner=runner)
     for i in range(rows):
         params = (SamplingParams(max_tokens=10, ignore_eos=True) if i % 2 == 0 else  # greedy and sampled rows
                   SamplingParams(max_tokens=10, temperature=0.9, top_p=0.9, seed=i, ignore_eos=True))
