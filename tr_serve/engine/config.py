@@ -22,7 +22,7 @@ DEFAULT_BATCHED_TOKENS = {"cpu": 512, "cuda": 2048}
 # prompt tokens a step that decodes prefills beside its trees: a forward of this many tokens costs
 # little more than reading the weights once (FLOPs over memory bandwidth: ~10 tokens on a CPU, a
 # few hundred on a GPU), so the step's prefill forward takes about what its verification does and
-# a long prompt slows the streams beside it by about 2x at most, instead of stalling them
+# a long prompt slows the streams beside it by about 2x instead of stalling them
 MIXED_PREFILL_TOKENS = {"cpu": 8, "cuda": 256}
 
 

@@ -4,8 +4,8 @@ nano-vllm's shape: requests wait in arrival order, are admitted to a free cache 
 prompt in chunks, decode, and are retired (their row freed) once finished. A step carries every
 running request's tree and, beside them, chunks of pending prompts under one token budget
 (``max_num_batched_tokens``): the decode rows' tokens first, then prompt chunks, beside decode rows
-only a few (``mixed_prefill_tokens``), so a step takes about twice a decode step at most and
-running requests keep streaming while a long prompt prefills.
+only a few (``mixed_prefill_tokens``), so a step takes about twice a decode step and running
+requests keep streaming while a long prompt prefills.
 
 The engine runs the model over the batches this returns and reports back ``start_decoding`` (a
 prompt is complete) and ``retire`` (requests that finished); freeing a row in the model runner
@@ -102,17 +102,17 @@ class Scheduler:
 
     def prefill_budget(self, decode_tokens: int) -> int:
         """Prompt tokens a step may prefill beside ``decode_tokens`` tokens of decode rows: the
-        budget's rest, at most ``mixed_prefill_tokens``, and at least one token (or
-        ``mixed_prefill_tokens``) where the trees fill the budget, so a prompt always progresses.
+        budget's rest, at most ``mixed_prefill_tokens``; where the trees fill the budget, still
+        ``mixed_prefill_tokens`` (None: 1), so a prompt always progresses.
 
         Example: budget 512, mixed 8: prefill_budget(0) -> 512; prefill_budget(3) -> 8;
         budget 64, mixed None: prefill_budget(24) -> 40; prefill_budget(200) -> 1."""
         if decode_tokens == 0:
             return self.max_num_batched_tokens
         rest = self.max_num_batched_tokens - decode_tokens
-        if self.mixed_prefill_tokens is None:
-            return max(rest, 1)
-        return self.mixed_prefill_tokens if rest <= 0 else min(rest, self.mixed_prefill_tokens)
+        if rest <= 0:
+            return self.mixed_prefill_tokens or 1
+        return rest if self.mixed_prefill_tokens is None else min(rest, self.mixed_prefill_tokens)
 
     def prefill_chunks(self, decode_tokens: int = 0) -> list[PrefillChunk]:
         """The next prompt chunk of as many prefilling requests as :meth:`prefill_budget` allows
